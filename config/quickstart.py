@@ -1,0 +1,21 @@
+# The embedded default: a tiny 3D MAE learning a small synthetic seismic volume, on a 2-core CPU in a
+# few minutes (bash launch.sh config/quickstart.py). Everything is small but nothing is faked: the same
+# model, data path, DeepSpeed ZeRO-2 and checkpoints as the 16-node configs.
+out_dir = "out/quickstart"
+data_paths = ["data/quickstart.mdio"]
+make_synthetic = True  # written on first run (about 1 s): 128 x 128 x 256 voxels = 16 MB float32
+synthetic_shape = (128, 128, 256)
+
+# sample: 32 x 32 x 64 voxels in 8^3 patches -> 4 x 4 x 8 = 128 tokens, 32 visible at mask ratio 0.75
+crop = (32, 32, 64)
+patch = (8, 8, 8)
+model_size = "tiny"  # 96 wide, 4 deep encoder; 64 wide, 2 deep decoder
+mask_ratio = 0.75
+
+# 2 CPU ranks x micro_batch 8 = global batch 16; lr = blr * 16 / 256 = 1.5e-3
+micro_batch = 8
+max_steps = 300
+blr = 2.4e-2
+warmup_steps = 20
+log_interval = 20
+ckpt_interval = 100

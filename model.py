@@ -1,0 +1,290 @@
+"""
+A 3D Vision Transformer masked autoencoder (ViT-MAE) for seismic volumes.
+
+Read top to bottom:
+  1. patchify / unpatchify     volume  <->  sequence of 16x16x16-voxel patches
+  2. 3D sin-cos positions      computed from token grid coordinates, for any subset of tokens
+  3. masking                   per-sample random masking by argsort of noise (the MAE recipe)
+  4. attention + Block         every attention call goes through `attention()`
+  5. MAE                       encoder on visible tokens + cls, decoder on all tokens, loss
+  6. model sizes               one-line functions, tiny .. huge
+
+Axis convention. A volume is (inline, crossline, time), the MDIO order. In torch it is a tensor
+(B, 1, Z, Y, X) with Z = inline, Y = crossline, X = time, i.e. Conv3d's (D, H, W). A token grid is
+(gz, gy, gx) = (Z/pz, Y/py, X/px) and token t sits at grid coordinate
+    z = t // (gy*gx),  y = (t // gx) % gy,  x = t % gx          (row-major, time fastest)
+which is the order Conv3d's output has after .flatten(2), the order of patchify(), and the order
+the positional embedding uses. Grids are rarely cubic (640x640x1024 voxels -> 40x40x64 tokens).
+
+After facebookresearch/mae (models_mae.py), with two departures that matter at 1.2 M tokens:
+  * no L x D positional table is stored (at L = 1,179,648 and D = 1024 it would be 4.8 GB in fp32):
+    positions are computed on the fly for exactly the tokens that are used;
+  * no B*L*D index tensor is ever built: gathers use index.expand(), a stride-0 view.
+And one departure in the architecture: the decoder runs on the L patch tokens only, without the cls
+token (see MAE.forward_decoder for why).
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# -----------------------------------------------------------------------------
+# 1. patchify / unpatchify
+
+
+def patchify(x, patch):
+    """(B, 1, Z, Y, X) -> (B, L, pz*py*px), tokens in (z, y, x) row-major order, voxels inside a patch
+    in (pz, py, px) row-major order: the same layout as a Conv3d kernel (out, 1, pz, py, px)."""
+    B, C, Z, Y, X = x.shape
+    pz, py, px = patch
+    assert C == 1 and Z % pz == 0 and Y % py == 0 and X % px == 0, (x.shape, patch)
+    gz, gy, gx = Z // pz, Y // py, X // px
+    x = x.reshape(B, gz, pz, gy, py, gx, px)
+    x = x.permute(0, 1, 3, 5, 2, 4, 6)  # (B, gz, gy, gx, pz, py, px)
+    return x.reshape(B, gz * gy * gx, pz * py * px)
+
+
+def unpatchify(p, patch, grid):
+    """(B, L, pz*py*px) -> (B, 1, Z, Y, X); the exact inverse of patchify."""
+    B = p.shape[0]
+    pz, py, px = patch
+    gz, gy, gx = grid
+    x = p.reshape(B, gz, gy, gx, pz, py, px).permute(0, 1, 4, 2, 5, 3, 6)  # (B, gz, pz, gy, py, gx, px)
+    return x.reshape(B, 1, gz * pz, gy * py, gx * px)
+
+
+# -----------------------------------------------------------------------------
+# 2. 3D sin-cos positional embedding, computed per token
+
+
+def token_coords(ids, grid):
+    """Token indices (any shape) -> grid coordinates (..., 3) as (z, y, x)."""
+    gz, gy, gx = grid
+    return torch.stack([ids // (gy * gx), (ids // gx) % gy, ids % gx], dim=-1)
+
+
+def axis_split(dim):
+    """How many channels each axis gets. Each axis needs an even number (half sin, half cos).
+    D = 768 splits evenly (256 each); D = 512, 1024, 1280 do not divide by 6, so the first two axes get
+    2*floor(D/6) and the last axis (time, the longest grid axis) takes the rest:
+        512 -> 170, 170, 172     1024 -> 340, 340, 344     1280 -> 426, 426, 428"""
+    assert dim % 2 == 0 and dim >= 6, f"embedding dim must be even and >= 6, got {dim}"
+    d = 2 * (dim // 6)
+    return d, d, dim - 2 * d
+
+
+def sincos_1d(pos, dim):
+    """pos (N,) float64 -> (N, dim): [sin(pos * w_k), cos(pos * w_k)], w_k = 10000^(-k / (dim/2))."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64, device=pos.device) / (dim / 2))
+    angle = pos[:, None] * omega[None, :]
+    return torch.cat([torch.sin(angle), torch.cos(angle)], dim=1)
+
+
+def sincos_pos_embed(ids, grid, dim):
+    """Fixed 3D sin-cos embedding of the tokens `ids` (any shape, int64) on `grid`: (*ids.shape, dim), fp32.
+    Row t depends only on t's coordinates, so any subset of tokens can be embedded alone (no L x D table).
+    Computed in float64 so that positions 10^5 apart still get distinct, exact angles."""
+    coords = token_coords(ids.reshape(-1), grid).to(torch.float64)  # (N, 3)
+    parts = [sincos_1d(coords[:, a], d) for a, d in enumerate(axis_split(dim))]  # z, y, x channels
+    return torch.cat(parts, dim=1).to(torch.float32).reshape(*ids.shape, dim)
+
+
+# -----------------------------------------------------------------------------
+# 3. masking
+
+
+def random_masking(noise, n_keep):
+    """Per-sample random masking by argsort of noise (MAE). noise (B, L) -> (ids_keep, mask, ids_restore):
+      ids_keep    (B, n_keep)  token indices kept (visible), in shuffled order
+      mask        (B, L)       0 = visible, 1 = masked, in the original token order
+      ids_restore (B, L)       argsort(ids_shuffle): puts [kept..., masked...] back in original order
+    Tokens with the smallest noise are kept. Injecting `noise` makes the mask deterministic (tests)."""
+    B, L = noise.shape
+    ids_shuffle = torch.argsort(noise, dim=1)
+    ids_restore = torch.argsort(ids_shuffle, dim=1)
+    ids_keep = ids_shuffle[:, :n_keep]
+    mask = torch.ones(B, L, device=noise.device)
+    mask[:, :n_keep] = 0
+    mask = torch.gather(mask, 1, ids_restore)
+    return ids_keep, mask, ids_restore
+
+
+def gather_tokens(x, ids):
+    """x (B, L, D), ids (B, n) -> (B, n, D). The index is expanded as a stride-0 view, so no B*n*D int64
+    tensor is allocated (MAE's ids.unsqueeze(-1).repeat(1, 1, D) would be 9 GB at 1.2 M tokens)."""
+    return torch.gather(x, 1, ids.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+# -----------------------------------------------------------------------------
+# 4. attention and the transformer block
+
+
+def attention(q, k, v):
+    """The one attention call of the model. q, k, v: (B, H, N, Dh) -> (B, H, N, Dh), non-causal.
+    The context-parallel issue swaps what happens here; nothing else in the model needs to know."""
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, dim, heads, mlp_ratio=4.0):
+        super().__init__()
+        assert dim % heads == 0, f"dim {dim} not divisible by heads {heads}"
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        hidden = int(dim * mlp_ratio)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):  # (B, N, dim)
+        B, N, C = x.shape
+        qkv = self.qkv(self.norm1(x)).reshape(B, N, 3, self.heads, C // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, Dh)
+        a = attention(q, k, v).transpose(1, 2).reshape(B, N, C)
+        x = x + self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+# -----------------------------------------------------------------------------
+# 5. the masked autoencoder
+
+
+class MAE(nn.Module):
+    def __init__(self, grid=(4, 4, 4), patch=(16, 16, 16), dim=1024, depth=24, heads=16,
+                 dec_dim=512, dec_depth=8, dec_heads=16, mlp_ratio=4.0, mask_ratio=0.75,
+                 norm_pix_loss=False, grad_ckpt=False):
+        super().__init__()
+        self.grid, self.patch = tuple(grid), tuple(patch)
+        self.L = math.prod(self.grid)  # tokens per sample
+        self.P = math.prod(self.patch)  # voxels per patch
+        self.dim, self.dec_dim = dim, dec_dim
+        self.mask_ratio, self.norm_pix_loss, self.grad_ckpt = mask_ratio, norm_pix_loss, grad_ckpt
+        # encoder. The Conv3d holds the patch-embedding weights (1 channel in, dim out, kernel = stride =
+        # patch). forward_encoder applies it as a matmul on the *visible* patches only, which is the same
+        # function (tests/test_model.py proves it) at a quarter of the cost when 75 % are masked.
+        self.patch_embed = nn.Conv3d(1, dim, kernel_size=self.patch, stride=self.patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.blocks = nn.ModuleList([Block(dim, heads, mlp_ratio) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        # decoder: narrower and shallower; its own fixed positions; predicts the voxels of each patch
+        self.decoder_embed = nn.Linear(dim, dec_dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dec_dim))
+        self.decoder_blocks = nn.ModuleList([Block(dec_dim, dec_heads, mlp_ratio) for _ in range(dec_depth)])
+        self.decoder_norm = nn.LayerNorm(dec_dim, eps=1e-6)
+        self.decoder_pred = nn.Linear(dec_dim, self.P)
+        self.initialize_weights()
+
+    def initialize_weights(self):
+        # MAE init: xavier-uniform on every Linear and on the patch embedding seen as a (dim, P) Linear,
+        # zero biases, LayerNorm (1, 0), and N(0, 0.02) for the cls and mask tokens.
+        w = self.patch_embed.weight.data
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.patch_embed.bias)
+        nn.init.normal_(self.cls_token, std=0.02)
+        nn.init.normal_(self.mask_token, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def n_keep(self):
+        """Visible tokens per sample: int(L * (1 - mask_ratio)), as MAE."""
+        return int(self.L * (1 - self.mask_ratio))
+
+    def run_blocks(self, blocks, x):
+        for blk in blocks:
+            # activation checkpointing: keep only block inputs, recompute the block in backward
+            x = checkpoint(blk, x, use_reentrant=False) if (self.grad_ckpt and self.training) else blk(x)
+        return x
+
+    def forward_encoder(self, patches, ids_keep):
+        """patches (B, L, P), ids_keep (B, n) -> latent (B, 1 + n, dim): cls first, then the visible tokens."""
+        B = patches.shape[0]
+        vis = gather_tokens(patches, ids_keep)  # (B, n, P)
+        w = self.patch_embed.weight.view(self.dim, self.P)  # the Conv3d kernel as a Linear
+        x = F.linear(vis, w, self.patch_embed.bias)  # (B, n, dim)
+        x = x + sincos_pos_embed(ids_keep, self.grid, self.dim).to(x.dtype)
+        cls = self.cls_token.expand(B, -1, -1)  # position of cls: zero vector, so nothing added
+        x = torch.cat([cls, x], dim=1)  # (B, 1 + n, dim)
+        x = self.run_blocks(self.blocks, x)
+        return self.norm(x)
+
+    def forward_decoder(self, latent, ids_restore):
+        """latent (B, 1 + n, dim) -> pred (B, L, P), in the original token order.
+        The cls token is not passed to the decoder (MAE passes it, then drops its output). Leaving it out
+        makes the decoder sequence exactly the L patch tokens, which split evenly over context-parallel
+        ranks (the published system had to keep the decoder length divisible by cp). The cls token still
+        learns: every visible token attends to it in the encoder."""
+        B, L = ids_restore.shape
+        x = self.decoder_embed(latent[:, 1:])  # (B, n, dec_dim), visible tokens only
+        masked = self.mask_token.to(x.dtype).expand(B, L - x.shape[1], -1)  # (B, L - n, dec_dim), a view
+        x = gather_tokens(torch.cat([x, masked], dim=1), ids_restore)  # unshuffle -> (B, L, dec_dim)
+        all_ids = torch.arange(L, device=x.device)
+        x = x + sincos_pos_embed(all_ids, self.grid, self.dec_dim).to(x.dtype)  # (L, dec_dim), broadcast
+        x = self.run_blocks(self.decoder_blocks, x)
+        return self.decoder_pred(self.decoder_norm(x))  # (B, L, P)
+
+    def forward(self, x, noise=None):
+        """x (B, 1, Z, Y, X), normalised voxels. noise (B, L) optional (tests inject it).
+        Returns (loss, pred (B, L, P), mask (B, L))."""
+        B = x.shape[0]
+        patches = patchify(x, self.patch)  # (B, L, P)
+        if noise is None:
+            noise = torch.rand(B, self.L, device=x.device)
+        ids_keep, mask, ids_restore = random_masking(noise, self.n_keep())
+        latent = self.forward_encoder(patches, ids_keep)
+        pred = self.forward_decoder(latent, ids_restore)
+        loss_sum, count = mae_loss(pred, patches, mask, self.norm_pix_loss)
+        return loss_sum / count, pred, mask
+
+    def flops_per_sample(self):
+        """Training FLOPs per sample (forward + backward = 3 x forward; matmuls and attention only,
+        the usual convention for MFU). A multiply-add counts 2 FLOPs.
+          per block on N tokens of width C: qkv 6NC^2 + proj 2NC^2 + mlp 16NC^2 (ratio 4) + attention 4N^2C"""
+        n = self.n_keep()
+        mlp = int(self.blocks[0].fc1.out_features / self.dim) if len(self.blocks) else 4
+
+        def block(N, C):
+            return (8 + 4 * mlp) * N * C * C + 4 * N * N * C
+
+        enc = 2 * n * self.P * self.dim + len(self.blocks) * block(n + 1, self.dim)
+        dec = (2 * n * self.dim * self.dec_dim + len(self.decoder_blocks) * block(self.L, self.dec_dim)
+               + 2 * self.L * self.dec_dim * self.P)
+        return 3 * (enc + dec)
+
+
+def mae_loss(pred, patches, mask, norm_pix_loss=False):
+    """Mean squared error per patch, summed over masked patches only. Returns (sum, count) so that a
+    caller can divide by a count that spans several ranks (context parallelism). In fp32.
+    norm_pix_loss: each target patch is normalised by its own mean and variance (+1e-6, so a constant
+    patch gives 0 / 1e-3 = 0, finite)."""
+    target = patches.float()
+    if norm_pix_loss:
+        mean = target.mean(dim=-1, keepdim=True)
+        var = target.var(dim=-1, keepdim=True)
+        target = (target - mean) / (var + 1e-6) ** 0.5
+    err = ((pred.float() - target) ** 2).mean(dim=-1)  # (B, L)
+    return (err * mask).sum(), mask.sum()
+
+
+# -----------------------------------------------------------------------------
+# 6. model sizes (encoder width / depth / heads after ViT; decoder 512 wide, 8 deep, as MAE)
+
+
+def mae_tiny(**kw):  return MAE(dim=96, depth=4, heads=4, dec_dim=64, dec_depth=2, dec_heads=4, **kw)
+def mae_small(**kw): return MAE(dim=384, depth=12, heads=6, dec_dim=256, dec_depth=4, dec_heads=8, **kw)
+def mae_base(**kw):  return MAE(dim=768, depth=12, heads=12, dec_dim=512, dec_depth=8, dec_heads=16, **kw)
+def mae_large(**kw): return MAE(dim=1024, depth=24, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)
+def mae_huge(**kw):  return MAE(dim=1280, depth=32, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)
+
+MODELS = {"tiny": mae_tiny, "small": mae_small, "base": mae_base, "large": mae_large, "huge": mae_huge}

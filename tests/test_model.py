@@ -1,0 +1,152 @@
+"""model.py against its definitions: patch order, positions, masking, loss, and that it can learn."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model as M
+
+
+def test_patchify_roundtrip_exact():
+    x = torch.randn(2, 1, 16, 24, 40)
+    p = M.patchify(x, (8, 4, 8))
+    assert p.shape == (2, 2 * 6 * 5, 8 * 4 * 8)
+    assert torch.equal(M.unpatchify(p, (8, 4, 8), (2, 6, 5)), x)
+
+
+def test_conv3d_embedding_equals_linear_on_patchify_in_grid_order():
+    torch.manual_seed(0)
+    patch, grid = (4, 2, 8), (3, 5, 2)  # non-cubic patch and grid
+    x = torch.randn(2, 1, 12, 10, 16)
+    conv = torch.nn.Conv3d(1, 7, kernel_size=patch, stride=patch).double()
+    ref = conv(x.double()).flatten(2).transpose(1, 2)  # (B, L, D), Conv3d's own token order
+    lin = F.linear(M.patchify(x.double(), patch), conv.weight.view(7, -1), conv.bias)
+    torch.testing.assert_close(lin, ref, rtol=1e-12, atol=1e-12)
+    # token t of that order sits at token_coords(t): check against the conv output grid directly
+    out = conv(x.double())  # (B, D, gz, gy, gx)
+    for t in [0, 1, 7, 29]:
+        z, y, xx = M.token_coords(torch.tensor(t), grid).tolist()
+        torch.testing.assert_close(ref[:, t], out[:, :, z, y, xx])
+
+
+@pytest.mark.parametrize("dim", [512, 768, 1024, 1280])
+def test_positions(dim):
+    grid = (5, 4, 7)
+    ids = torch.arange(math.prod(grid))
+    pe = M.sincos_pos_embed(ids, grid, dim)
+    assert pe.shape == (len(ids), dim) and pe.dtype == torch.float32
+    assert torch.isfinite(pe).all()
+    assert torch.equal(pe, M.sincos_pos_embed(ids, grid, dim))  # deterministic
+    assert torch.unique(pe, dim=0).shape[0] == len(ids)  # unique rows
+    # the z part depends on z only, the y part on y only, the x part on x only
+    dz, dy, dx = M.axis_split(dim)
+    assert dz + dy + dx == dim and dz % 2 == dy % 2 == dx % 2 == 0
+    c = M.token_coords(ids, grid)
+    for a, (lo, hi) in enumerate([(0, dz), (dz, dz + dy), (dz + dy, dim)]):
+        for v in range(grid[a]):
+            rows = pe[c[:, a] == v, lo:hi]
+            assert torch.equal(rows, rows[:1].expand_as(rows))
+        other = pe[c[:, a] == 0, lo:hi][0], pe[c[:, a] == 1, lo:hi][0]
+        assert not torch.equal(*other)  # and it does depend on its own coordinate
+    # a subset computed alone equals the same rows of the full set, in any shape
+    sub = torch.tensor([[3, 77, 139], [0, 5, 100]])
+    assert torch.equal(M.sincos_pos_embed(sub, grid, dim), pe[sub])
+
+
+def test_positions_far_apart_at_big_context():
+    grid = (96, 96, 128)  # 1,179,648 tokens: embed only a few, no table
+    ids = torch.tensor([0, 1, 128, 96 * 128, 96 * 96 * 128 - 1])
+    pe = M.sincos_pos_embed(ids, grid, 1024)
+    assert torch.unique(pe, dim=0).shape[0] == 5 and torch.isfinite(pe).all()
+
+
+def test_masking():
+    B, L, keep = 3, 50, 12
+    noise = torch.rand(B, L, generator=torch.Generator().manual_seed(1))
+    ids_keep, mask, ids_restore = M.random_masking(noise, keep)
+    assert ids_keep.shape == (B, keep)
+    assert torch.equal(mask.sum(1), torch.full((B,), float(L - keep)))
+    ids_shuffle = torch.argsort(noise, dim=1)
+    assert torch.equal(torch.gather(ids_shuffle, 1, ids_restore), torch.arange(L).expand(B, L))
+    for b in range(B):
+        assert set(ids_keep[b].tolist()) == set((mask[b] == 0).nonzero().flatten().tolist())
+        assert set(ids_keep[b].tolist()) == set(noise[b].argsort()[:keep].tolist())  # smallest noise kept
+    again = M.random_masking(noise.clone(), keep)
+    assert all(torch.equal(a, b) for a, b in zip(again, (ids_keep, mask, ids_restore)))
+
+
+def test_loss_only_on_masked_patches():
+    torch.manual_seed(0)
+    patches = torch.randn(2, 10, 8)
+    pred = torch.randn(2, 10, 8, requires_grad=True)
+    mask = torch.zeros(2, 10)
+    mask[:, ::3] = 1
+    s, n = M.mae_loss(pred, patches, mask)
+    (s / n).backward()
+    visible = mask == 0
+    assert torch.count_nonzero(pred.grad[visible]) == 0
+    assert torch.count_nonzero(pred.grad[~visible]) > 0
+    # an all-masked loss is plain MSE
+    s, n = M.mae_loss(pred.detach(), patches, torch.ones(2, 10))
+    torch.testing.assert_close(s / n, F.mse_loss(pred.detach(), patches))
+
+
+def test_norm_pix_loss_finite_on_constant_patches():
+    patches = torch.full((1, 4, 64), 3.0)
+    s, n = M.mae_loss(torch.zeros(1, 4, 64), patches, torch.ones(1, 4), norm_pix_loss=True)
+    assert torch.isfinite(s) and s.item() == 0.0
+
+
+def test_forward_shapes_and_no_visible_leak():
+    torch.manual_seed(0)
+    m = M.mae_tiny(grid=(2, 3, 4), patch=(4, 4, 4))
+    x = torch.randn(2, 1, 8, 12, 16)
+    loss, pred, mask = m(x)
+    assert pred.shape == (2, 24, 64) and mask.shape == (2, 24) and torch.isfinite(loss)
+    assert int(mask.sum()) == 2 * (24 - m.n_keep())
+    # the prediction of a masked token does not see that token's voxels: changing a masked patch's
+    # input leaves every prediction unchanged (the encoder only sees visible patches)
+    noise = torch.rand(2, 24)
+    _, p1, mask = m(x, noise)
+    t = int(mask[0].nonzero()[0])
+    x2 = M.unpatchify(M.patchify(x, m.patch).index_put_((torch.tensor([0]), torch.tensor([t])),
+                                                       torch.randn(64)), m.patch, m.grid)
+    _, p2, _ = m(x2, noise)
+    torch.testing.assert_close(p1, p2)
+
+
+def test_flops_estimate_matches_a_count():
+    m = M.mae_tiny(grid=(2, 2, 4), patch=(4, 4, 4))
+    n, L, D, d, P = m.n_keep(), m.L, m.dim, m.dec_dim, m.P
+    fwd = 2 * n * P * D + 4 * (24 * (n + 1) * D * D + 4 * (n + 1) ** 2 * D)
+    fwd += 2 * n * D * d + 2 * (24 * L * d * d + 4 * L * L * d) + 2 * L * d * P
+    assert m.flops_per_sample() == 3 * fwd
+
+
+def test_tiny_model_overfits_one_batch():
+    torch.manual_seed(0)
+    m = M.mae_tiny(grid=(2, 2, 4), patch=(8, 8, 8))
+    x = torch.randn(2, 1, 16, 16, 32)
+    noise = torch.rand(2, m.L)
+    opt = torch.optim.AdamW(m.parameters(), lr=2e-3)
+    first = None
+    for i in range(200):
+        loss, _, _ = m(x, noise)
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() <= 0.1 * first, (first, loss.item())
+
+
+def test_grad_ckpt_same_gradients():
+    torch.manual_seed(0)
+    a = M.mae_tiny(grid=(2, 2, 2), patch=(4, 4, 4))
+    b = M.mae_tiny(grid=(2, 2, 2), patch=(4, 4, 4), grad_ckpt=True)
+    b.load_state_dict(a.state_dict())
+    x, noise = torch.randn(2, 1, 8, 8, 8), torch.rand(2, 8)
+    a(x, noise)[0].backward()
+    b(x, noise)[0].backward()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)

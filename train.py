@@ -1,0 +1,303 @@
+"""
+Pretrain a 3D ViT-MAE on seismic volumes with DeepSpeed ZeRO-2.
+
+    bash launch.sh config/quickstart.py                 # one machine: all GPUs, or 2 CPU ranks
+    python train.py config/quickstart.py --max_steps=20 # one process, no launcher
+
+Read top to bottom: the config (every key with its default), validation (every bad input fails here,
+before any work), then main(): distributed setup, data, model, DeepSpeed, resume, the training loop,
+checkpoints. One training step is grad_accum micro steps of micro_batch samples on each of the
+dp_size data-parallel ranks:
+    global_batch = micro_batch * grad_accum * dp_size          (samples per optimizer step)
+    lr           = blr * global_batch / 256                     (the MAE scaling rule)
+"""
+
+import json
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+
+import torch
+
+import configurator
+import data
+from model import MODELS
+
+# -----------------------------------------------------------------------------
+# config: defaults (config/*.py files and --key=value override them; see configurator.py)
+# I/O
+out_dir = "out/quickstart"  # logs and checkpoints
+data_paths = ["data/quickstart.mdio"]  # MDIO v1 / Zarr v3 stores to sample crops from
+make_synthetic = False  # create a synthetic volume at data_paths[0] if it does not exist (quickstart)
+synthetic_shape = (128, 128, 256)  # (inline, crossline, time) of that synthetic volume
+# sample and model
+crop = (64, 64, 128)  # voxels per sample, (inline, crossline, time)
+patch = (16, 16, 16)  # voxels per token
+model_size = "tiny"  # tiny | small | base | large | huge (model.py)
+mask_ratio = 0.75  # fraction of tokens hidden from the encoder
+norm_pix_loss = False  # normalise each target patch by its own mean / std
+grad_ckpt = False  # activation checkpointing: recompute each block in backward
+# optimisation
+max_steps = 200  # optimizer steps in the whole run
+micro_batch = 2  # samples per rank per micro step
+grad_accum = 1  # micro steps per optimizer step
+blr = 1.5e-4  # base learning rate; lr = blr * global_batch / 256
+min_lr = 0.0  # lr at the last step (half-cosine decay after warmup)
+warmup_steps = 20  # linear warmup from lr/warmup_steps to lr
+weight_decay = 0.05  # AdamW, on weight matrices only (not biases, norms, cls/mask tokens)
+beta1, beta2 = 0.9, 0.95
+grad_clip = 1.0  # max global gradient norm; 0 = off
+dtype = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
+# logging and checkpoints
+log_interval = 10  # steps between log lines
+ckpt_interval = 100  # steps between checkpoints (one is also written at the end)
+keep_ckpts = 2  # complete checkpoints kept; keep >= 2: the newest may be mid-write when a job dies
+resume = True  # continue from the newest complete checkpoint in out_dir, if any
+stop_step = 0  # > 0: stop after this step as if interrupted (checkpoint, exit); tests use it
+seed = 0  # data, mask and init randomness
+gpu_peak_flops = 989e12  # dense bf16 FLOP/s of one GPU for MFU (H100/H200 SXM)
+
+CONFIG_KEYS = [k for k, v in list(globals().items())
+               if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple, list))]
+
+
+# -----------------------------------------------------------------------------
+# validation: everything that can be checked before any work is done
+
+
+def validate(cfg):
+    """Raise ConfigError naming the problem and the fix; data-dependent checks live in data.Sampler."""
+
+    def need(ok, msg):
+        if not ok:
+            raise configurator.ConfigError(msg)
+
+    need(cfg["model_size"] in MODELS, f"model_size {cfg['model_size']!r} unknown; choose one of {list(MODELS)}")
+    for key in ("crop", "patch"):
+        v = cfg[key]
+        need(len(v) == 3 and all(isinstance(a, int) and a > 0 for a in v),
+             f"{key} must be 3 positive ints (inline, crossline, time), got {v!r}")
+    need(all(c % p == 0 for c, p in zip(cfg["crop"], cfg["patch"])),
+         f"crop {cfg['crop']} is not divisible by patch {cfg['patch']} along every axis: choose a crop that is a "
+         f"multiple of the patch, e.g. {tuple(max(p, c // p * p) for c, p in zip(cfg['crop'], cfg['patch']))}")
+    need(0.0 < cfg["mask_ratio"] < 1.0, f"mask_ratio must be in (0, 1), got {cfg['mask_ratio']}")
+    L = math.prod(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
+    need(int(L * (1 - cfg["mask_ratio"])) >= 1,
+         f"mask_ratio {cfg['mask_ratio']} leaves no visible token out of {L}: lower it or use a larger crop")
+    for key in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval", "keep_ckpts"):
+        need(cfg[key] >= 1, f"{key} must be >= 1, got {cfg[key]}")
+    need(cfg["dtype"] in ("auto", "float32", "bfloat16"), f"dtype must be auto|float32|bfloat16, got {cfg['dtype']!r}")
+    need(len(cfg["data_paths"]) >= 1, "data_paths is empty: list at least one MDIO/Zarr store")
+    need(cfg["blr"] > 0 and cfg["min_lr"] >= 0, "blr must be > 0 and min_lr >= 0")
+
+
+def get_lr(step, peak_lr, cfg):
+    """Linear warmup over warmup_steps (non-zero at step 0), then half-cosine from peak_lr to min_lr,
+    reaching min_lr at the last step (max_steps - 1)."""
+    warm, last = cfg["warmup_steps"], cfg["max_steps"] - 1
+    if step < warm:
+        return peak_lr * (step + 1) / warm
+    progress = (step - warm) / max(1, last - warm)
+    return cfg["min_lr"] + (peak_lr - cfg["min_lr"]) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: DeepSpeed writes out_dir/ckpt/step_NNNNNNN/; we mark a checkpoint complete with a file
+# written (atomically) only after every rank has finished saving. Resume picks the newest complete one,
+# so a job killed mid-write resumes from the one before.
+
+
+def complete_checkpoints(ckpt_dir):
+    """[(step, tag)] of complete checkpoints, oldest first."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    out = []
+    for tag in os.listdir(ckpt_dir):
+        if tag.startswith("step_") and os.path.exists(os.path.join(ckpt_dir, tag, "COMPLETE")):
+            out.append((int(tag[5:]), tag))
+    return sorted(out)
+
+
+def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
+    import torch.distributed as dist
+    tag = f"step_{step:07d}"
+    path = os.path.join(ckpt_dir, tag)
+    if (step, tag) in complete_checkpoints(ckpt_dir):
+        return  # already saved (a resumed run that had nothing left to do): never rewrite a good one
+    # never save non-finite weights: check on every rank, agree on the answer
+    finite = torch.tensor([float(all(torch.isfinite(p).all() for p in engine.module.parameters()))])
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if finite.item() < 1:
+        raise FloatingPointError(f"weights are non-finite after step {step}: checkpoint {tag} NOT written; "
+                                 f"the newest good one is kept. Lower blr or raise warmup_steps.")
+    if rank == 0 and os.path.isdir(path):
+        shutil.rmtree(path)  # a leftover of a write that died before it completed
+    dist.barrier()
+    engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
+    dist.barrier()  # every rank has written its shard
+    if rank == 0:
+        with open(os.path.join(path, "COMPLETE.tmp"), "w") as f:
+            json.dump({"step": step}, f)
+        os.replace(os.path.join(path, "COMPLETE.tmp"), os.path.join(path, "COMPLETE"))
+        done = complete_checkpoints(ckpt_dir)
+        for _, old in done[:-keep]:
+            shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
+    dist.barrier()
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv):
+    cfg = {k: globals()[k] for k in CONFIG_KEYS}
+    configurator.apply(cfg, argv)
+    validate(cfg)
+
+    # ---- distributed setup. torchrun sets RANK/WORLD_SIZE; a bare `python train.py` is a world of 1.
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    if "MASTER_PORT" not in os.environ:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede `import deepspeed`
+    import deepspeed
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16}[cfg["dtype"]]
+    dp_rank, dp_size = rank, world  # context parallelism (cp > 1) arrives with ring attention
+    global_batch = cfg["micro_batch"] * cfg["grad_accum"] * dp_size
+    peak_lr = cfg["blr"] * global_batch / 256
+    log = print if rank == 0 else (lambda *a, **k: None)
+
+    # ---- data. Rank 0 creates the quickstart's synthetic store; everyone waits, then opens it.
+    if cfg["make_synthetic"] and rank == 0:
+        data.ensure_synthetic(cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"])
+    dist.barrier()
+    sampler = data.Sampler(cfg["data_paths"], cfg["crop"], seed=cfg["seed"], micro_batch=cfg["micro_batch"],
+                           dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"])
+
+    # ---- model and optimizer. Same init on every rank (seeded), as data parallelism requires.
+    torch.manual_seed(cfg["seed"])
+    grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
+    model = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
+                                      norm_pix_loss=cfg["norm_pix_loss"], grad_ckpt=cfg["grad_ckpt"])
+    # weight decay on weight matrices and the conv kernel only; not on biases, norms, cls/mask tokens
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "token" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "token" not in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=peak_lr, betas=(cfg["beta1"], cfg["beta2"]))
+    ds_config = {
+        "train_micro_batch_size_per_gpu": cfg["micro_batch"],
+        "gradient_accumulation_steps": cfg["grad_accum"],
+        "gradient_clipping": cfg["grad_clip"],
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_optimization": {
+            "stage": 2,
+            # ZeRO-2: optimizer state and gradients partitioned over all ranks, weights replicated.
+            # reduce_scatter + contiguous_gradients also keep the gradient all-reduce on for CPU tensors.
+            "contiguous_gradients": True, "reduce_scatter": True, "overlap_comm": on_gpu,
+        },
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10 ** 9,  # we print our own log line
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    n_params = sum(p.numel() for p in model.parameters())
+    flops_per_sample = model.flops_per_sample()
+    log(f"model {cfg['model_size']}: {n_params / 1e6:.2f} M params | grid {grid} = {model.L} tokens, "
+        f"{model.n_keep()} visible | world {world} (dp {dp_size}) | global batch {global_batch} | "
+        f"peak lr {peak_lr:.3g} | {dtype} on {device.type}")
+
+    # ---- resume from the newest complete checkpoint
+    ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
+    start = 0
+    done = complete_checkpoints(ckpt_dir) if cfg["resume"] else []
+    if done:
+        step, tag = done[-1]
+        _, client = engine.load_checkpoint(ckpt_dir, tag=tag)
+        for key in ("model_size", "patch", "seed"):
+            if client["config"][key] != cfg[key]:
+                raise configurator.ConfigError(
+                    f"checkpoint {ckpt_dir}/{tag} was trained with {key}={client['config'][key]!r}, this run has "
+                    f"{cfg[key]!r}: use a new out_dir, or resume=False to start over in a new out_dir")
+        start = client["step"]
+        log(f"resumed from {ckpt_dir}/{tag} (step {start})")
+    if start >= cfg["max_steps"]:
+        log(f"run already complete: step {start} of max_steps {cfg['max_steps']}; raise --max_steps to go on")
+        return 0
+
+    # ---- the training loop
+    os.makedirs(cfg["out_dir"], exist_ok=True)
+    log_file = open(os.path.join(cfg["out_dir"], "log.jsonl"), "a") if rank == 0 else None
+    t_last, data_time, steps_since = time.time(), 0.0, 0
+    end = cfg["max_steps"] if cfg["stop_step"] <= 0 else min(cfg["max_steps"], cfg["stop_step"])
+    for step in range(start, end):
+        lr = get_lr(step, peak_lr, cfg)
+        for group in optimizer.param_groups:  # ZeRO wraps this optimizer; its groups stay the ones it steps
+            group["lr"] = lr
+        step_loss = torch.zeros(1)
+        for micro in range(cfg["grad_accum"]):
+            t0 = time.time()
+            x, ids = sampler.batch(step, micro)  # (micro_batch, 1, *crop), global sample ids
+            noise = data.mask_noise(cfg["seed"], ids, model.L)  # (micro_batch, L)
+            data_time += time.time() - t0
+            loss, _, _ = engine(x.to(device, dtype), noise.to(device))
+            step_loss += loss.detach().float().cpu() / cfg["grad_accum"]
+            engine.backward(loss)
+            engine.step()  # DeepSpeed steps the optimizer at the last micro step only
+        # every rank learns the mean loss; a non-finite one stops all ranks together, before any save
+        dist.all_reduce(step_loss)
+        step_loss /= world
+        if not math.isfinite(step_loss.item()):
+            raise FloatingPointError(f"non-finite loss ({step_loss.item()}) at step {step}: stopping; no checkpoint "
+                                     f"of these weights is written. Lower blr or raise warmup_steps, and check "
+                                     f"the data for NaN/inf outside dead traces.")
+        steps_since += 1
+        if step % cfg["log_interval"] == 0 or step == end - 1:
+            dt = (time.time() - t_last) / steps_since
+            sps = global_batch / dt
+            flops = flops_per_sample * sps  # achieved FLOP/s, whole job
+            mem = (torch.cuda.max_memory_allocated() if on_gpu
+                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 30
+            speed = (f"MFU {100 * flops / (world * cfg['gpu_peak_flops']):.1f}%" if on_gpu
+                     else f"{flops / world / 1e9:.2f} GFLOP/s/rank")
+            log(f"step {step:5d} | loss {step_loss.item():.4f} | lr {lr:.3e} | {sps:.2f} samples/s | "
+                f"{sps * model.L:,.0f} tok/s | {1000 * dt:.0f} ms/step | {speed} | data wait "
+                f"{100 * data_time / (dt * steps_since):.1f}% | peak mem {mem:.2f} GB")
+            t_last, data_time, steps_since = time.time(), 0.0, 0
+        if log_file:
+            log_file.write(json.dumps({"step": step, "loss": step_loss.item(), "lr": lr}) + "\n")
+            log_file.flush()
+        if (step + 1) % cfg["ckpt_interval"] == 0 or step + 1 == end:
+            save_checkpoint(engine, ckpt_dir, step + 1, {"step": step + 1, "config": cfg,
+                                                        "samples_seen": (step + 1) * global_batch},
+                            cfg["keep_ckpts"], rank)
+            log(f"checkpoint step_{step + 1:07d} written to {ckpt_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        rc = main(sys.argv[1:])
+    except (configurator.ConfigError, data.DataError, FloatingPointError) as e:
+        # bad input or a diverged run: one clear line, non-zero exit, nothing half-written
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        rc = 2 if not isinstance(e, FloatingPointError) else 3
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.exit(rc)
