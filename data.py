@@ -180,7 +180,8 @@ class Volume:
         sl = tuple(slice(o, o + s) for o, s in zip(origin, shape))
         x = np.asarray(self.arr[sl], dtype=np.float32)
         x = (x - np.float32(self.mean)) / np.float32(self.std)
-        return np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        # only NaN is a dead trace; an inf is bad data and is left to fail loudly (non-finite loss)
+        return np.where(np.isnan(x), np.float32(0.0), x)
 
 
 # -----------------------------------------------------------------------------

@@ -139,8 +139,9 @@ def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
     dist.barrier()  # every rank has written its shard
     if rank == 0:
+        meta = {"step": step, "world": dist.get_world_size(), "config": client_state["config"]}
         with open(os.path.join(path, "COMPLETE.tmp"), "w") as f:
-            json.dump({"step": step}, f)
+            json.dump(meta, f)
         os.replace(os.path.join(path, "COMPLETE.tmp"), os.path.join(path, "COMPLETE"))
         done = complete_checkpoints(ckpt_dir)
         for _, old in done[:-keep]:
@@ -228,17 +229,25 @@ def main(argv):
     done = complete_checkpoints(ckpt_dir) if cfg["resume"] else []
     if done:
         step, tag = done[-1]
-        _, client = engine.load_checkpoint(ckpt_dir, tag=tag)
+        with open(os.path.join(ckpt_dir, tag, "COMPLETE")) as f:
+            meta = json.load(f)
+        if meta["step"] >= cfg["max_steps"]:
+            log(f"run already complete: {ckpt_dir}/{tag} is at step {meta['step']} of max_steps "
+                f"{cfg['max_steps']}; raise --max_steps to go on")
+            return 0
         for key in ("model_size", "patch", "seed"):
-            if client["config"][key] != cfg[key]:
+            if meta["config"][key] != json.loads(json.dumps(cfg[key])):  # tuples come back as lists
                 raise configurator.ConfigError(
-                    f"checkpoint {ckpt_dir}/{tag} was trained with {key}={client['config'][key]!r}, this run has "
-                    f"{cfg[key]!r}: use a new out_dir, or resume=False to start over in a new out_dir")
+                    f"checkpoint {ckpt_dir}/{tag} was trained with {key}={meta['config'][key]!r}, this run has "
+                    f"{cfg[key]!r}: use another out_dir to start a new run")
+        if meta["world"] != world:
+            raise configurator.ConfigError(
+                f"checkpoint {ckpt_dir}/{tag} was written by {meta['world']} ranks and this job has {world}: "
+                f"ZeRO partitions the optimizer state per rank, so resume with {meta['world']} ranks "
+                f"(NPROC={meta['world']} bash launch.sh ...)")
+        _, client = engine.load_checkpoint(ckpt_dir, tag=tag)
         start = client["step"]
         log(f"resumed from {ckpt_dir}/{tag} (step {start})")
-    if start >= cfg["max_steps"]:
-        log(f"run already complete: step {start} of max_steps {cfg['max_steps']}; raise --max_steps to go on")
-        return 0
 
     # ---- the training loop
     os.makedirs(cfg["out_dir"], exist_ok=True)

@@ -1,0 +1,52 @@
+"""Shared fixtures: a small synthetic MDIO store, and a helper that runs train.py as a real job."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import data  # noqa: E402
+
+
+def job_env(**extra):
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+                "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""})
+    env.update(extra)
+    return env
+
+
+def run_train(args, nproc=1, timeout=600, env=None):
+    """Run train.py under torchrun (nproc > 1) or alone; returns the CompletedProcess."""
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               os.path.join(ROOT, "train.py"), *args]
+    else:
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env or job_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="session")
+def small_store(tmp_path_factory):
+    """A 32 x 32 x 64 synthetic volume with dead traces, as an MDIO v1 store in 16^3 chunks."""
+    path = str(tmp_path_factory.mktemp("data") / "small.mdio")
+    data.write_mdio(path, data.synthetic_volume((32, 32, 64), seed=3), chunks=(16, 16, 16))
+    return path
+
+
+def small_args(store, out_dir, **kw):
+    """A fast config for CPU tests: 16 x 16 x 32 crops in 8^3 patches = 16 tokens, tiny model."""
+    cfg = {"data_paths": [store], "out_dir": str(out_dir), "crop": (16, 16, 32), "patch": (8, 8, 8),
+           "model_size": "tiny", "micro_batch": 2, "max_steps": 6, "warmup_steps": 2, "blr": 0.05,
+           "log_interval": 1, "ckpt_interval": 100}
+    cfg.update(kw)
+    return [f"--{k}={v!r}" if not isinstance(v, str) else f"--{k}={v}" for k, v in cfg.items()]

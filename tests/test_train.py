@@ -1,0 +1,125 @@
+"""train.py as real jobs: ZeRO-2 gradient averaging, exact resume, divergence handling, bad input."""
+import glob
+import math
+import os
+
+import pytest
+import torch
+
+import configurator
+import data
+import train
+from conftest import read_log, run_train, small_args
+
+
+def losses(out_dir):
+    return [r["loss"] for r in read_log(out_dir)]
+
+
+def test_lr_schedule():
+    cfg = {"warmup_steps": 10, "max_steps": 100, "min_lr": 1e-5}
+    lrs = [train.get_lr(s, 1e-3, cfg) for s in range(100)]
+    assert lrs[0] > 0
+    assert max(lrs) == pytest.approx(1e-3) and lrs.index(max(lrs)) in (9, 10)
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10]))  # rising during warmup
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # falling after
+    assert lrs[-1] == pytest.approx(1e-5)
+
+
+def test_zero2_two_ranks_equal_one_rank_with_double_batch(small_store, tmp_path):
+    """Per-rank batch b on 2 ranks must follow the same trajectory as batch 2b on 1 rank: proof that
+    ZeRO-2 averages gradients over ranks (and that the samples are a function of the global index)."""
+    one = run_train(small_args(small_store, tmp_path / "one", micro_batch=4), nproc=1)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_train(small_args(small_store, tmp_path / "two", micro_batch=2), nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(a) == len(b) == 6
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-5 * abs(x), (a, b)
+
+
+def test_stop_and_resume_is_exact(small_store, tmp_path):
+    full = run_train(small_args(small_store, tmp_path / "full", max_steps=8, grad_accum=2), nproc=2)
+    assert full.returncode == 0, full.stderr[-3000:]
+    part = run_train(small_args(small_store, tmp_path / "part", max_steps=8, grad_accum=2, stop_step=4), nproc=2)
+    assert part.returncode == 0, part.stderr[-3000:]
+    assert [s for s, _ in train.complete_checkpoints(str(tmp_path / "part" / "ckpt"))] == [4]
+    rest = run_train(small_args(small_store, tmp_path / "part", max_steps=8, grad_accum=2), nproc=2)
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert "resumed from" in rest.stdout
+    a, b = read_log(tmp_path / "full"), read_log(tmp_path / "part")
+    assert [r["step"] for r in b] == list(range(8))
+    for x, y in zip(a[4:], b[4:]):
+        assert x["lr"] == y["lr"]
+        assert abs(x["loss"] - y["loss"]) <= 1e-6 * abs(x["loss"]), (a, b)
+    # a run that is already complete resumes, does nothing, and leaves the checkpoint alone
+    again = run_train(small_args(small_store, tmp_path / "part", max_steps=8, grad_accum=2), nproc=1)
+    assert again.returncode == 0 and "run already complete" in again.stdout, again.stderr[-2000:]
+    # going on with another world size is a clear error (ZeRO shards are per rank), not a traceback
+    other = run_train(small_args(small_store, tmp_path / "part", max_steps=10, grad_accum=2), nproc=1)
+    assert other.returncode == 2 and "written by 2 ranks and this job has 1" in other.stderr, other.stderr[-2000:]
+    assert [s for s, _ in train.complete_checkpoints(str(tmp_path / "part" / "ckpt"))] == [4, 8]
+
+
+def test_keeps_newest_complete_checkpoints(small_store, tmp_path):
+    r = run_train(small_args(small_store, tmp_path, max_steps=5, ckpt_interval=1, keep_ckpts=2), nproc=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [s for s, _ in train.complete_checkpoints(str(tmp_path / "ckpt"))] == [4, 5]
+
+
+def test_divergence_stops_with_step_and_no_bad_checkpoint(small_store, tmp_path):
+    r = run_train(small_args(small_store, tmp_path, max_steps=20, ckpt_interval=1, blr=1e33, grad_clip=0.0), nproc=1)
+    assert r.returncode == 3, r.stdout[-2000:] + r.stderr[-2000:]
+    msg = r.stderr.strip().splitlines()[-1]
+    assert msg.startswith("error: non-finite") and " step " in msg, msg
+    # every checkpoint that was written holds finite weights
+    for _, tag in train.complete_checkpoints(str(tmp_path / "ckpt")):
+        (f,) = glob.glob(str(tmp_path / "ckpt" / tag / "mp_rank_00_model_states.pt"))
+        sd = torch.load(f, map_location="cpu", weights_only=False)["module"]
+        assert all(torch.isfinite(v).all() for v in sd.values()), tag
+
+
+# ---- bad input: one clear error before training starts
+
+
+def cfg_of(**kw):
+    cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+    cfg.update(kw)
+    return cfg
+
+
+def test_unknown_key_and_wrong_type():
+    with pytest.raises(configurator.ConfigError, match="unknown config key 'max_step'"):
+        configurator.apply(cfg_of(), ["--max_step=10"])
+    with pytest.raises(configurator.ConfigError, match="'max_steps'.*must be int"):
+        configurator.apply(cfg_of(), ["--max_steps=ten"])
+    assert configurator.apply(cfg_of(), ["--blr=1"])["blr"] == 1.0  # int accepted for float
+    assert configurator.apply(cfg_of(), ["--crop=(32,32,64)"])["crop"] == (32, 32, 64)
+
+
+def test_validation_errors(small_store):
+    with pytest.raises(configurator.ConfigError, match="not divisible by patch"):
+        train.validate(cfg_of(crop=(20, 16, 16), patch=(8, 8, 8)))
+    for r in (0.0, 1.0, -0.1, 1.5):
+        with pytest.raises(configurator.ConfigError, match="mask_ratio must be in"):
+            train.validate(cfg_of(mask_ratio=r))
+    with pytest.raises(data.DataError, match="larger than the volume"):
+        data.Sampler([small_store], (16, 16, 128))
+    with pytest.raises(data.DataError, match="does not exist"):
+        data.Sampler(["/nonexistent/x.mdio"], (16, 16, 16))
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["--max_step=3"], "unknown config key 'max_step'"),
+    (["--micro_batch=2.5"], "'micro_batch'"),
+    (["--crop=(20,16,32)"], "not divisible by patch"),
+    (["--crop=(16,16,128)"], "larger than the volume"),
+    (["--data_paths=['/nonexistent/a.mdio']"], "does not exist"),
+    (["--mask_ratio=1.0"], "mask_ratio must be in (0, 1)"),
+])
+def test_bad_input_fails_cleanly_before_training(small_store, tmp_path, extra, expect):
+    r = run_train(small_args(small_store, tmp_path) + extra, nproc=1)
+    assert r.returncode == 2
+    assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "log.jsonl")  # nothing trained, nothing written
