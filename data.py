@@ -230,3 +230,39 @@ def mask_noise(seed, ids, L):
     """Masking noise (len(ids), L) for global sample indices `ids`: like the crops, a function of the
     sample alone, so resumed runs and different dp layouts mask identically."""
     return torch.from_numpy(np.stack([np.random.default_rng([seed, g, 1]).random(L, dtype=np.float32) for g in ids]))
+
+
+class Prefetcher:
+    """Iterator over the micro batches of steps [start, end), read `depth` micro batches ahead by a pool
+    of threads so that reading and decompressing overlap the model's compute (zarr's codecs and numpy
+    release the GIL). Yields what Sampler.batch returns, in order. close() cancels and joins the threads."""
+
+    def __init__(self, sampler, start, end, depth=2):
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+        self.sampler = sampler
+        self.todo = ((s, m) for s in range(start, end) for m in range(sampler.grad_accum))
+        self.pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="prefetch")
+        self.pending = deque()
+        for _ in range(depth):
+            self._submit()
+
+    def _submit(self):
+        nxt = next(self.todo, None)
+        if nxt is not None:
+            self.pending.append(self.pool.submit(self.sampler.batch, *nxt))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.pending:
+            raise StopIteration
+        out = self.pending.popleft().result()  # re-raises a read error here, in the training loop
+        self._submit()
+        return out
+
+    def close(self):
+        for f in self.pending:
+            f.cancel()
+        self.pool.shutdown(wait=True)

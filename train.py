@@ -152,11 +152,14 @@ def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
 # -----------------------------------------------------------------------------
 
 
-def main(argv):
-    cfg = {k: globals()[k] for k in CONFIG_KEYS}
-    configurator.apply(cfg, argv)
-    validate(cfg)
+class Job:
+    """Everything a training step needs, built once by setup() (bench.py builds the same)."""
 
+
+def setup(cfg):
+    """Distributed init, data, model, optimizer, DeepSpeed engine. Returns a Job."""
+    job = Job()
+    job.cfg = cfg
     # ---- distributed setup. torchrun sets RANK/WORLD_SIZE; a bare `python train.py` is a world of 1.
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(k, v)
@@ -165,43 +168,43 @@ def main(argv):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    on_gpu = torch.cuda.is_available()
+    job.on_gpu = on_gpu = torch.cuda.is_available()
     if not on_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede `import deepspeed`
     import deepspeed
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    job.rank, job.world = rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     if on_gpu:
         torch.cuda.set_device(local_rank)
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
-    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
-    dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16}[cfg["dtype"]]
+    job.device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    job.dtype = dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32,
+                         "bfloat16": torch.bfloat16}[cfg["dtype"]]
     dp_rank, dp_size = rank, world  # context parallelism (cp > 1) arrives with ring attention
-    global_batch = cfg["micro_batch"] * cfg["grad_accum"] * dp_size
-    peak_lr = cfg["blr"] * global_batch / 256
-    log = print if rank == 0 else (lambda *a, **k: None)
+    job.global_batch = cfg["micro_batch"] * cfg["grad_accum"] * dp_size
+    job.peak_lr = cfg["blr"] * job.global_batch / 256
+    job.log = print if rank == 0 else (lambda *a, **k: None)
 
     # ---- data. Rank 0 creates the quickstart's synthetic store; everyone waits, then opens it.
     if cfg["make_synthetic"] and rank == 0:
         data.ensure_synthetic(cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"])
     dist.barrier()
-    sampler = data.Sampler(cfg["data_paths"], cfg["crop"], seed=cfg["seed"], micro_batch=cfg["micro_batch"],
-                           dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"])
+    job.sampler = data.Sampler(cfg["data_paths"], cfg["crop"], seed=cfg["seed"], micro_batch=cfg["micro_batch"],
+                               dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"])
 
     # ---- model and optimizer. Same init on every rank (seeded), as data parallelism requires.
     torch.manual_seed(cfg["seed"])
-    grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
-    model = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
-                                      norm_pix_loss=cfg["norm_pix_loss"], grad_ckpt=cfg["grad_ckpt"])
+    job.grid = grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
+    job.model = model = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
+                                                  norm_pix_loss=cfg["norm_pix_loss"], grad_ckpt=cfg["grad_ckpt"])
     # weight decay on weight matrices and the conv kernel only; not on biases, norms, cls/mask tokens
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "token" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "token" not in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=peak_lr, betas=(cfg["beta1"], cfg["beta2"]))
+    job.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
+                                       {"params": no_decay, "weight_decay": 0.0}],
+                                      lr=job.peak_lr, betas=(cfg["beta1"], cfg["beta2"]))
     ds_config = {
         "train_micro_batch_size_per_gpu": cfg["micro_batch"],
         "gradient_accumulation_steps": cfg["grad_accum"],
@@ -216,12 +219,42 @@ def main(argv):
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10 ** 9,  # we print our own log line
     }
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    job.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=job.optimizer, config=ds_config)
+    return job
+
+
+def train_step(job, step, batches):
+    """One optimizer step: grad_accum micro steps. `batches` yields (x, ids) micro batches.
+    Returns (mean loss over the whole job as a 1-element tensor, seconds spent waiting for data)."""
+    cfg, engine = job.cfg, job.engine
+    lr = get_lr(step, job.peak_lr, cfg)
+    for group in job.optimizer.param_groups:  # ZeRO wraps this optimizer; its groups stay the ones it steps
+        group["lr"] = lr
+    step_loss, wait = torch.zeros(1), 0.0
+    for micro in range(cfg["grad_accum"]):
+        t0 = time.time()
+        x, ids = next(batches)  # (micro_batch, 1, *crop) normalised voxels, global sample ids
+        noise = data.mask_noise(cfg["seed"], ids, job.model.L)  # (micro_batch, L), a function of the sample
+        wait += time.time() - t0
+        loss, _, _ = engine(x.to(job.device, job.dtype), noise.to(job.device))
+        step_loss += loss.detach().float().cpu() / cfg["grad_accum"]
+        engine.backward(loss)
+        engine.step()  # DeepSpeed steps the optimizer at the last micro step only
+    torch.distributed.all_reduce(step_loss)  # every rank learns the mean loss
+    return step_loss / job.world, lr, wait
+
+
+def main(argv):
+    cfg = {k: globals()[k] for k in CONFIG_KEYS}
+    configurator.apply(cfg, argv)
+    validate(cfg)
+    job = setup(cfg)
+    engine, model, log, rank, world = job.engine, job.model, job.log, job.rank, job.world
     n_params = sum(p.numel() for p in model.parameters())
     flops_per_sample = model.flops_per_sample()
-    log(f"model {cfg['model_size']}: {n_params / 1e6:.2f} M params | grid {grid} = {model.L} tokens, "
-        f"{model.n_keep()} visible | world {world} (dp {dp_size}) | global batch {global_batch} | "
-        f"peak lr {peak_lr:.3g} | {dtype} on {device.type}")
+    log(f"model {cfg['model_size']}: {n_params / 1e6:.2f} M params | grid {job.grid} = {model.L} tokens, "
+        f"{model.n_keep()} visible | world {world} (dp {world}) | global batch {job.global_batch} | "
+        f"peak lr {job.peak_lr:.3g} | {job.dtype} on {job.device.type}")
 
     # ---- resume from the newest complete checkpoint
     ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
@@ -249,53 +282,44 @@ def main(argv):
         start = client["step"]
         log(f"resumed from {ckpt_dir}/{tag} (step {start})")
 
-    # ---- the training loop
+    # ---- the training loop. The prefetcher reads the next micro batches in threads while we compute.
     os.makedirs(cfg["out_dir"], exist_ok=True)
     log_file = open(os.path.join(cfg["out_dir"], "log.jsonl"), "a") if rank == 0 else None
-    t_last, data_time, steps_since = time.time(), 0.0, 0
     end = cfg["max_steps"] if cfg["stop_step"] <= 0 else min(cfg["max_steps"], cfg["stop_step"])
-    for step in range(start, end):
-        lr = get_lr(step, peak_lr, cfg)
-        for group in optimizer.param_groups:  # ZeRO wraps this optimizer; its groups stay the ones it steps
-            group["lr"] = lr
-        step_loss = torch.zeros(1)
-        for micro in range(cfg["grad_accum"]):
-            t0 = time.time()
-            x, ids = sampler.batch(step, micro)  # (micro_batch, 1, *crop), global sample ids
-            noise = data.mask_noise(cfg["seed"], ids, model.L)  # (micro_batch, L)
-            data_time += time.time() - t0
-            loss, _, _ = engine(x.to(device, dtype), noise.to(device))
-            step_loss += loss.detach().float().cpu() / cfg["grad_accum"]
-            engine.backward(loss)
-            engine.step()  # DeepSpeed steps the optimizer at the last micro step only
-        # every rank learns the mean loss; a non-finite one stops all ranks together, before any save
-        dist.all_reduce(step_loss)
-        step_loss /= world
-        if not math.isfinite(step_loss.item()):
-            raise FloatingPointError(f"non-finite loss ({step_loss.item()}) at step {step}: stopping; no checkpoint "
-                                     f"of these weights is written. Lower blr or raise warmup_steps, and check "
-                                     f"the data for NaN/inf outside dead traces.")
-        steps_since += 1
-        if step % cfg["log_interval"] == 0 or step == end - 1:
-            dt = (time.time() - t_last) / steps_since
-            sps = global_batch / dt
-            flops = flops_per_sample * sps  # achieved FLOP/s, whole job
-            mem = (torch.cuda.max_memory_allocated() if on_gpu
-                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 30
-            speed = (f"MFU {100 * flops / (world * cfg['gpu_peak_flops']):.1f}%" if on_gpu
-                     else f"{flops / world / 1e9:.2f} GFLOP/s/rank")
-            log(f"step {step:5d} | loss {step_loss.item():.4f} | lr {lr:.3e} | {sps:.2f} samples/s | "
-                f"{sps * model.L:,.0f} tok/s | {1000 * dt:.0f} ms/step | {speed} | data wait "
-                f"{100 * data_time / (dt * steps_since):.1f}% | peak mem {mem:.2f} GB")
-            t_last, data_time, steps_since = time.time(), 0.0, 0
-        if log_file:
-            log_file.write(json.dumps({"step": step, "loss": step_loss.item(), "lr": lr}) + "\n")
-            log_file.flush()
-        if (step + 1) % cfg["ckpt_interval"] == 0 or step + 1 == end:
-            save_checkpoint(engine, ckpt_dir, step + 1, {"step": step + 1, "config": cfg,
-                                                        "samples_seen": (step + 1) * global_batch},
-                            cfg["keep_ckpts"], rank)
-            log(f"checkpoint step_{step + 1:07d} written to {ckpt_dir}")
+    batches = data.Prefetcher(job.sampler, start, end)
+    t_last, data_time, steps_since = time.time(), 0.0, 0
+    try:
+        for step in range(start, end):
+            step_loss, lr, wait = train_step(job, step, batches)
+            data_time += wait
+            # a non-finite loss stops all ranks together (all saw the same reduced value), before any save
+            if not math.isfinite(step_loss.item()):
+                raise FloatingPointError(f"non-finite loss ({step_loss.item()}) at step {step}: stopping; no "
+                                         f"checkpoint of these weights is written. Lower blr or raise "
+                                         f"warmup_steps, and check the data for NaN/inf outside dead traces.")
+            steps_since += 1
+            if step % cfg["log_interval"] == 0 or step == end - 1:
+                dt = (time.time() - t_last) / steps_since
+                sps = job.global_batch / dt
+                flops = flops_per_sample * sps  # achieved FLOP/s, whole job
+                mem = (torch.cuda.max_memory_allocated() if job.on_gpu
+                       else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 30
+                speed = (f"MFU {100 * flops / (world * cfg['gpu_peak_flops']):.1f}%" if job.on_gpu
+                         else f"{flops / world / 1e9:.2f} GFLOP/s/rank")
+                log(f"step {step:5d} | loss {step_loss.item():.4f} | lr {lr:.3e} | {sps:.2f} samples/s | "
+                    f"{sps * model.L:,.0f} tok/s | {1000 * dt:.0f} ms/step | {speed} | data wait "
+                    f"{100 * data_time / (dt * steps_since):.1f}% | peak mem {mem:.2f} GB")
+                t_last, data_time, steps_since = time.time(), 0.0, 0
+            if log_file:
+                log_file.write(json.dumps({"step": step, "loss": step_loss.item(), "lr": lr}) + "\n")
+                log_file.flush()
+            if (step + 1) % cfg["ckpt_interval"] == 0 or step + 1 == end:
+                save_checkpoint(engine, ckpt_dir, step + 1, {"step": step + 1, "config": cfg,
+                                                            "samples_seen": (step + 1) * job.global_batch},
+                                cfg["keep_ckpts"], rank)
+                log(f"checkpoint step_{step + 1:07d} written to {ckpt_dir}")
+    finally:
+        batches.close()
     return 0
 
 

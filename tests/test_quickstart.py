@@ -1,0 +1,33 @@
+"""The main job, as a user runs it: bash launch.sh config/quickstart.py (2 CPU ranks)."""
+import os
+import subprocess
+
+from conftest import ROOT, job_env, read_log
+import train
+
+
+def launch(*args):
+    env = job_env(PATH=os.path.dirname(__import__("sys").executable) + os.pathsep + os.environ["PATH"])
+    env.pop("OMP_NUM_THREADS")  # launch.sh splits the cores itself
+    return subprocess.run(["bash", "launch.sh", "config/quickstart.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_quickstart_learns_checkpoints_and_resumes(tmp_path):
+    store, out = str(tmp_path / "qs.mdio"), str(tmp_path / "out")
+    args = [f"--data_paths=['{store}']", f"--out_dir={out}"]
+    r = launch(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert os.path.exists(os.path.join(store, "zarr.json"))  # the synthetic volume was created
+    log = read_log(out)
+    assert len(log) == 500
+    first = sum(x["loss"] for x in log[:20]) / 20
+    last = sum(x["loss"] for x in log[-20:]) / 20
+    assert last <= 0.5 * first, (first, last)
+    assert [s for s, _ in train.complete_checkpoints(os.path.join(out, "ckpt"))] == [400, 500]
+    again = launch(*args)  # same command: finds the checkpoint, nothing left to do
+    assert again.returncode == 0 and "run already complete" in again.stdout
+    more = launch(*args, "--max_steps=505")  # asked for more: resumes from step 500
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "resumed from" in more.stdout and "(step 500)" in more.stdout
+    assert [x["step"] for x in read_log(out)] == list(range(505))
