@@ -22,14 +22,23 @@ After facebookresearch/mae (models_mae.py), with two departures that matter at 1
   * no B*L*D index tensor is ever built: gathers use index.expand(), a stride-0 view.
 And one departure in the architecture: the decoder runs on the L patch tokens only, without the cls
 token (see MAE.forward_decoder for why).
+
+Context parallelism (cp > 1). The cp ranks of a group work on the same sample; rank r holds the
+contiguous share of tokens [r*L/cp, (r+1)*L/cp), which in (z, y, x) order is a slab of gz/cp inline
+planes, so it reads and patchifies only its own slab of the volume. The mask is stratified (below) so
+that every rank keeps the same number of encoder tokens from its own share: no all-to-all is needed,
+encoder and decoder sequences split evenly, and attention is the ring (ring_attention.py).
 """
 
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+import ring_attention
 
 # -----------------------------------------------------------------------------
 # 1. patchify / unpatchify
@@ -112,6 +121,40 @@ def random_masking(noise, n_keep):
     return ids_keep, mask, ids_restore
 
 
+def mask_from_keep(ids_keep, L):
+    """The mask and ids_restore that go with kept indices ids_keep (B, n) out of L tokens. The masked tokens
+    follow the kept ones in index order: all of them become the same mask token, so their order is free."""
+    B, n = ids_keep.shape
+    mask = torch.ones(B, L, device=ids_keep.device)
+    mask.scatter_(1, ids_keep, 0.0)
+    masked = torch.argsort(mask, dim=1, descending=True, stable=True)[:, : L - n]  # masked ids, ascending
+    ids_restore = torch.argsort(torch.cat([ids_keep, masked], dim=1), dim=1)
+    return mask, ids_restore
+
+
+def encoder_tokens_per_stratum(L, mask_ratio, strata):
+    """E, the encoder tokens per stratum, when the L tokens are split into `strata` equal consecutive strata
+    and every stratum keeps E tokens, counting the cls token in stratum 0 (which keeps E - 1 patches).
+    Then the encoder sequence, n_visible + 1 = strata * E, divides by strata and so by cp; the decoder
+    sequence is L, which divides too. E is the nearest to MAE's int(L * (1 - mask_ratio)) + 1 that does this:
+    this is the "mask ratio adjustment" that context parallelism needs."""
+    target = int(L * (1 - mask_ratio)) + 1
+    return min(L // strata, max(1, round(target / strata)))
+
+
+def stratified_masking(noise, strata, E, has_cls):
+    """noise (B, L_loc) -> ids_keep (B, n): the E lowest-noise tokens of each of `strata` equal consecutive
+    strata of this rank's tokens (E - 1 in the first stratum of the rank that holds the cls token).
+    With one stratum and the cls on this rank it is exactly MAE's random_masking."""
+    B, L_loc = noise.shape
+    Ls = L_loc // strata
+    keep = []
+    for s in range(strata):
+        k = E - 1 if (has_cls and s == 0) else E
+        keep.append(torch.argsort(noise[:, s * Ls:(s + 1) * Ls], dim=1)[:, :k] + s * Ls)
+    return torch.cat(keep, dim=1)
+
+
 def gather_tokens(x, ids):
     """x (B, L, D), ids (B, n) -> (B, n, D). The index is expanded as a stride-0 view, so no B*n*D int64
     tensor is allocated (MAE's ids.unsqueeze(-1).repeat(1, 1, D) would be 9 GB at 1.2 M tokens)."""
@@ -122,10 +165,16 @@ def gather_tokens(x, ids):
 # 4. attention and the transformer block
 
 
-def attention(q, k, v):
+def attention(q, k, v, cp=None):
     """The one attention call of the model. q, k, v: (B, H, N, Dh) -> (B, H, N, Dh), non-causal.
-    The context-parallel issue swaps what happens here; nothing else in the model needs to know."""
-    return F.scaled_dot_product_attention(q, k, v)
+    cp = None: all N tokens are here, plain fused SDPA. cp = (group, impl): these are this rank's N of the
+    sequence split over `group`; impl 'ring' is our ring_attention, 'torch' PyTorch's context_parallel."""
+    if cp is None:
+        return F.scaled_dot_product_attention(q, k, v)
+    group, impl = cp
+    if impl == "ring":
+        return ring_attention.ring_attention(q, k, v, group)
+    return ring_attention.torch_cp_attention(q, k, v, group)
 
 
 class Block(nn.Module):
@@ -143,11 +192,11 @@ class Block(nn.Module):
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
 
-    def forward(self, x):  # (B, N, dim)
+    def forward(self, x, cp=None):  # (B, N, dim), N = this rank's tokens
         B, N, C = x.shape
         qkv = self.qkv(self.norm1(x)).reshape(B, N, 3, self.heads, C // self.heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, Dh)
-        a = attention(q, k, v).transpose(1, 2).reshape(B, N, C)
+        a = attention(q, k, v, cp).transpose(1, 2).reshape(B, N, C)
         x = x + self.proj(a)
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
@@ -159,13 +208,18 @@ class Block(nn.Module):
 class MAE(nn.Module):
     def __init__(self, grid=(4, 4, 4), patch=(16, 16, 16), dim=1024, depth=24, heads=16,
                  dec_dim=512, dec_depth=8, dec_heads=16, mlp_ratio=4.0, mask_ratio=0.75,
-                 norm_pix_loss=False, grad_ckpt=False):
+                 norm_pix_loss=False, grad_ckpt=False, mask_strata=1):
         super().__init__()
         self.grid, self.patch = tuple(grid), tuple(patch)
         self.L = math.prod(self.grid)  # tokens per sample
         self.P = math.prod(self.patch)  # voxels per patch
         self.dim, self.dec_dim = dim, dec_dim
         self.mask_ratio, self.norm_pix_loss, self.grad_ckpt = mask_ratio, norm_pix_loss, grad_ckpt
+        # masking strata (a multiple of cp; train.py sets it to cp unless configured): the mask, and so the
+        # model's function, depends on the strata and not on how many ranks compute it
+        self.mask_strata = mask_strata
+        self.E = encoder_tokens_per_stratum(self.L, mask_ratio, mask_strata)
+        self.cp = None  # (group, impl) under context parallelism; set by set_context_parallel
         # encoder. The Conv3d holds the patch-embedding weights (1 channel in, dim out, kernel = stride =
         # patch). forward_encoder applies it as a matmul on the *visible* patches only, which is the same
         # function (tests/test_model.py proves it) at a quarter of the cost when 75 % are masked.
@@ -198,53 +252,81 @@ class MAE(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def n_keep(self):
-        """Visible tokens per sample: int(L * (1 - mask_ratio)), as MAE."""
-        return int(self.L * (1 - self.mask_ratio))
+        """Visible tokens per sample: MAE's int(L * (1 - mask_ratio)), adjusted so that visible + cls
+        divides by mask_strata (see encoder_tokens_per_stratum)."""
+        return self.mask_strata * self.E - 1
+
+    def set_context_parallel(self, group, impl="ring"):
+        """Split every sample over the ranks of `group` (None or a group of 1: no context parallelism)."""
+        size = dist.get_world_size(group) if group is not None else 1
+        if size > 1:
+            assert self.grid[0] % size == 0 and self.mask_strata % size == 0, (self.grid, self.mask_strata, size)
+        self.cp = (group, impl) if size > 1 else None
 
     def run_blocks(self, blocks, x):
         for blk in blocks:
             # activation checkpointing: keep only block inputs, recompute the block in backward
-            x = checkpoint(blk, x, use_reentrant=False) if (self.grad_ckpt and self.training) else blk(x)
+            if self.grad_ckpt and self.training:
+                x = checkpoint(blk, x, self.cp, use_reentrant=False)
+            else:
+                x = blk(x, self.cp)
         return x
 
-    def forward_encoder(self, patches, ids_keep):
-        """patches (B, L, P), ids_keep (B, n) -> latent (B, 1 + n, dim): cls first, then the visible tokens."""
+    def forward_encoder(self, patches, ids_keep, offset=0, has_cls=True):
+        """patches (B, L_loc, P) of this rank's tokens (global ids offset + 0..L_loc-1), ids_keep (B, n) local
+        -> latent (B, has_cls + n, dim): the cls token first (on the rank that holds it), then visible tokens."""
         B = patches.shape[0]
         vis = gather_tokens(patches, ids_keep)  # (B, n, P)
         w = self.patch_embed.weight.view(self.dim, self.P)  # the Conv3d kernel as a Linear
         x = F.linear(vis, w, self.patch_embed.bias)  # (B, n, dim)
-        x = x + sincos_pos_embed(ids_keep, self.grid, self.dim).to(x.dtype)
-        cls = self.cls_token.expand(B, -1, -1)  # position of cls: zero vector, so nothing added
-        x = torch.cat([cls, x], dim=1)  # (B, 1 + n, dim)
+        x = x + sincos_pos_embed(ids_keep + offset, self.grid, self.dim).to(x.dtype)  # global positions
+        if has_cls:
+            cls = self.cls_token.to(x.dtype).expand(B, -1, -1)  # position of cls: zero vector, nothing added
+            x = torch.cat([cls, x], dim=1)  # (B, 1 + n, dim)
+        else:
+            # keep cls_token in this rank's graph (zero gradient): ZeRO buckets gradients as they become
+            # ready, and every rank must produce a gradient for the same parameters
+            x = x + 0.0 * self.cls_token.to(x.dtype)
         x = self.run_blocks(self.blocks, x)
         return self.norm(x)
 
-    def forward_decoder(self, latent, ids_restore):
-        """latent (B, 1 + n, dim) -> pred (B, L, P), in the original token order.
+    def forward_decoder(self, latent, ids_restore, offset=0, has_cls=True):
+        """latent (B, has_cls + n, dim) -> pred (B, L_loc, P), this rank's tokens in their original order.
         The cls token is not passed to the decoder (MAE passes it, then drops its output). Leaving it out
         makes the decoder sequence exactly the L patch tokens, which split evenly over context-parallel
         ranks (the published system had to keep the decoder length divisible by cp). The cls token still
         learns: every visible token attends to it in the encoder."""
-        B, L = ids_restore.shape
-        x = self.decoder_embed(latent[:, 1:])  # (B, n, dec_dim), visible tokens only
-        masked = self.mask_token.to(x.dtype).expand(B, L - x.shape[1], -1)  # (B, L - n, dec_dim), a view
-        x = gather_tokens(torch.cat([x, masked], dim=1), ids_restore)  # unshuffle -> (B, L, dec_dim)
-        all_ids = torch.arange(L, device=x.device)
-        x = x + sincos_pos_embed(all_ids, self.grid, self.dec_dim).to(x.dtype)  # (L, dec_dim), broadcast
+        B, L_loc = ids_restore.shape
+        x = self.decoder_embed(latent[:, 1:] if has_cls else latent)  # (B, n, dec_dim), visible tokens only
+        masked = self.mask_token.to(x.dtype).expand(B, L_loc - x.shape[1], -1)  # (B, L_loc - n, dec_dim), a view
+        x = gather_tokens(torch.cat([x, masked], dim=1), ids_restore)  # unshuffle -> (B, L_loc, dec_dim)
+        ids = torch.arange(offset, offset + L_loc, device=x.device)
+        x = x + sincos_pos_embed(ids, self.grid, self.dec_dim).to(x.dtype)  # (L_loc, dec_dim), broadcast
         x = self.run_blocks(self.decoder_blocks, x)
-        return self.decoder_pred(self.decoder_norm(x))  # (B, L, P)
+        return self.decoder_pred(self.decoder_norm(x))  # (B, L_loc, P)
 
-    def forward(self, x, noise=None):
-        """x (B, 1, Z, Y, X), normalised voxels. noise (B, L) optional (tests inject it).
-        Returns (loss, pred (B, L, P), mask (B, L))."""
+    def forward(self, x, noise=None, ids_keep=None):
+        """x (B, 1, Z_loc, Y, X): normalised voxels of this rank's slab (the whole sample without cp).
+        noise (B, L_loc): masking noise for this rank's tokens, or ids_keep (B, n): the kept tokens (local
+        indices) directly (tests inject either). Returns (loss, pred (B, L_loc, P), mask (B, L_loc)), where
+        loss = this rank's masked squared error / the masked count of the whole sample (summed over cp)."""
+        group = self.cp[0] if self.cp else None
+        W = dist.get_world_size(group) if self.cp else 1
+        r = dist.get_rank(group) if self.cp else 0
         B = x.shape[0]
-        patches = patchify(x, self.patch)  # (B, L, P)
-        if noise is None:
-            noise = torch.rand(B, self.L, device=x.device)
-        ids_keep, mask, ids_restore = random_masking(noise, self.n_keep())
-        latent = self.forward_encoder(patches, ids_keep)
-        pred = self.forward_decoder(latent, ids_restore)
+        patches = patchify(x, self.patch)  # (B, L_loc, P)
+        L_loc = patches.shape[1]
+        assert L_loc * W == self.L, f"slab of {L_loc} tokens x cp {W} != {self.L} tokens"
+        if ids_keep is None:
+            if noise is None:
+                noise = torch.rand(B, L_loc, device=x.device)
+            ids_keep = stratified_masking(noise, self.mask_strata // W, self.E, has_cls=(r == 0))
+        mask, ids_restore = mask_from_keep(ids_keep, L_loc)
+        latent = self.forward_encoder(patches, ids_keep, offset=r * L_loc, has_cls=(r == 0))
+        pred = self.forward_decoder(latent, ids_restore, offset=r * L_loc, has_cls=(r == 0))
         loss_sum, count = mae_loss(pred, patches, mask, self.norm_pix_loss)
+        if W > 1:
+            dist.all_reduce(count, group=group)  # masked patches of the whole sample (no gradient flows here)
         return loss_sum / count, pred, mask
 
     def flops_per_sample(self):
