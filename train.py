@@ -7,9 +7,13 @@ Pretrain a 3D ViT-MAE on seismic volumes with DeepSpeed ZeRO-2.
 Read top to bottom: the config (every key with its default), validation (every bad input fails here,
 before any work), then main(): distributed setup, data, model, DeepSpeed, resume, the training loop,
 checkpoints. One training step is grad_accum micro steps of micro_batch samples on each of the
-dp_size data-parallel ranks:
+dp_size data-parallel ranks, and each sample is split over the cp ranks of a context-parallel group:
+    world        = dp_size * cp                                 (CP groups: contiguous ranks, one node)
     global_batch = micro_batch * grad_accum * dp_size          (samples per optimizer step)
     lr           = blr * global_batch / 256                     (the MAE scaling rule)
+Gradient semantics with cp > 1: each rank's loss is its share of the sample's masked error divided by
+the masked count of the whole sample, multiplied by cp before backward; ZeRO averages gradients over
+the whole world, so the result is the mean over the dp_size samples, exactly as with cp = 1.
 """
 
 import json
@@ -24,6 +28,7 @@ import torch
 
 import configurator
 import data
+import ring_attention
 from model import MODELS
 
 # -----------------------------------------------------------------------------
@@ -40,6 +45,10 @@ model_size = "tiny"  # tiny | small | base | large | huge (model.py)
 mask_ratio = 0.75  # fraction of tokens hidden from the encoder
 norm_pix_loss = False  # normalise each target patch by its own mean / std
 grad_ckpt = False  # activation checkpointing: recompute each block in backward
+# context parallelism: each sample's tokens split over cp ranks (contiguous inline slabs)
+cp = 1  # ranks per sample; world size must be a multiple; at most one node (8) in practice
+cp_impl = "ring"  # ring (ring_attention.py) | torch (PyTorch context_parallel; no CPU backward in torch 2.13)
+mask_strata = 0  # masking strata (a multiple of cp; 0 = cp). Fix it to make masks independent of cp
 # optimisation
 max_steps = 200  # optimizer steps in the whole run
 micro_batch = 2  # samples per rank per micro step
@@ -84,9 +93,30 @@ def validate(cfg):
          f"crop {cfg['crop']} is not divisible by patch {cfg['patch']} along every axis: choose a crop that is a "
          f"multiple of the patch, e.g. {tuple(max(p, c // p * p) for c, p in zip(cfg['crop'], cfg['patch']))}")
     need(0.0 < cfg["mask_ratio"] < 1.0, f"mask_ratio must be in (0, 1), got {cfg['mask_ratio']}")
-    L = math.prod(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
+    grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
+    L = math.prod(grid)
     need(int(L * (1 - cfg["mask_ratio"])) >= 1,
          f"mask_ratio {cfg['mask_ratio']} leaves no visible token out of {L}: lower it or use a larger crop")
+    # context parallelism
+    cp, strata = cfg["cp"], cfg["mask_strata"] or cfg["cp"]
+    need(cp >= 1, f"cp must be >= 1, got {cp}")
+    need(cfg["cp_impl"] in ("ring", "torch"), f"cp_impl must be 'ring' or 'torch', got {cfg['cp_impl']!r}")
+    need(grid[0] % cp == 0,
+         f"the token grid {grid} cannot be split evenly over cp={cp} ranks: each rank holds grid[0]/cp inline "
+         f"slabs, so crop[0]/patch[0] = {grid[0]} must be a multiple of cp (e.g. crop[0] = "
+         f"{cfg['patch'][0] * cp * max(1, round(grid[0] / cp))})")
+    need(strata % cp == 0 and L % strata == 0,
+         f"mask_strata {strata} must be a multiple of cp={cp} and divide the {L} tokens")
+    need(cfg["mask_strata"] >= 0, "mask_strata must be >= 0 (0 = cp)")
+    if cp > 1:  # the ring runs on the fused attention kernels: check their head dims now
+        with torch.device("meta"):
+            m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"])
+        for blk in (m.blocks[0], m.decoder_blocks[0]):
+            d = blk.qkv.in_features // blk.heads
+            try:
+                ring_attention.check_head_dim(d)
+            except ValueError as e:
+                raise configurator.ConfigError(f"model_size {cfg['model_size']!r} with cp={cp}: {e}") from None
     for key in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval", "keep_ckpts"):
         need(cfg[key] >= 1, f"{key} must be >= 1, got {cfg[key]}")
     need(cfg["dtype"] in ("auto", "float32", "bfloat16"), f"dtype must be auto|float32|bfloat16, got {cfg['dtype']!r}")
@@ -176,13 +206,30 @@ def setup(cfg):
 
     job.rank, job.world = rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
+    cp = cfg["cp"]
+    # checks that need the world size, before any work
+    if world % cp:
+        raise configurator.ConfigError(f"world size {world} is not divisible by cp={cp}: launch a multiple of "
+                                       f"{cp} ranks (NPROC=...), or change cp")
+    if cp > 1 and cfg["cp_impl"] == "torch" and not on_gpu:
+        raise configurator.ConfigError("cp_impl='torch' cannot train on CPU: PyTorch 2.13's context_parallel has "
+                                       "no CPU backward (NotImplementedError). Use cp_impl='ring' on CPU.")
     if on_gpu:
         torch.cuda.set_device(local_rank)
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     job.device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     job.dtype = dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32,
                          "bfloat16": torch.bfloat16}[cfg["dtype"]]
-    dp_rank, dp_size = rank, world  # context parallelism (cp > 1) arrives with ring attention
+    # ranks [i*cp, (i+1)*cp) share sample stream i: contiguous, so a CP group stays on one node's NVLink.
+    # Every rank creates every group, in the same order (new_group is collective).
+    job.cp, job.cp_rank, job.dp_rank, job.dp_size = cp, rank % cp, rank // cp, world // cp
+    dp_rank, dp_size = job.dp_rank, job.dp_size
+    job.cp_group = None
+    if cp > 1:
+        for i in range(dp_size):
+            g = dist.new_group(list(range(i * cp, (i + 1) * cp)))
+            if i == dp_rank:
+                job.cp_group = g
     job.global_batch = cfg["micro_batch"] * cfg["grad_accum"] * dp_size
     job.peak_lr = cfg["blr"] * job.global_batch / 256
     job.log = print if rank == 0 else (lambda *a, **k: None)
@@ -192,13 +239,16 @@ def setup(cfg):
         data.ensure_synthetic(cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"])
     dist.barrier()
     job.sampler = data.Sampler(cfg["data_paths"], cfg["crop"], seed=cfg["seed"], micro_batch=cfg["micro_batch"],
-                               dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"])
+                               dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"],
+                               cp_rank=job.cp_rank, cp_size=cp)
 
     # ---- model and optimizer. Same init on every rank (seeded), as data parallelism requires.
     torch.manual_seed(cfg["seed"])
     job.grid = grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
     job.model = model = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
-                                                  norm_pix_loss=cfg["norm_pix_loss"], grad_ckpt=cfg["grad_ckpt"])
+                                                  norm_pix_loss=cfg["norm_pix_loss"], grad_ckpt=cfg["grad_ckpt"],
+                                                  mask_strata=cfg["mask_strata"] or cp)
+    model.set_context_parallel(job.cp_group, cfg["cp_impl"])
     # weight decay on weight matrices and the conv kernel only; not on biases, norms, cls/mask tokens
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "token" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "token" not in n)]
@@ -233,15 +283,16 @@ def train_step(job, step, batches):
     step_loss, wait = torch.zeros(1), 0.0
     for micro in range(cfg["grad_accum"]):
         t0 = time.time()
-        x, ids = next(batches)  # (micro_batch, 1, *crop) normalised voxels, global sample ids
-        noise = data.mask_noise(cfg["seed"], ids, job.model.L)  # (micro_batch, L), a function of the sample
+        x, ids = next(batches)  # (micro_batch, 1, crop[0] / cp, crop[1], crop[2]): this rank's slab
+        noise = data.mask_noise(cfg["seed"], ids, job.model.L, job.cp_rank, job.cp)  # (micro_batch, L / cp)
         wait += time.time() - t0
         loss, _, _ = engine(x.to(job.device, job.dtype), noise.to(job.device))
         step_loss += loss.detach().float().cpu() / cfg["grad_accum"]
-        engine.backward(loss)
+        engine.backward(loss * job.cp)  # see the docstring: x cp, then ZeRO averages over the world
         engine.step()  # DeepSpeed steps the optimizer at the last micro step only
-    torch.distributed.all_reduce(step_loss)  # every rank learns the mean loss
-    return step_loss / job.world, lr, wait
+    # every rank learns the mean loss: the sum over a CP group is the sample's loss, then mean over dp
+    torch.distributed.all_reduce(step_loss)
+    return step_loss / job.dp_size, lr, wait
 
 
 def main(argv):
@@ -253,7 +304,9 @@ def main(argv):
     n_params = sum(p.numel() for p in model.parameters())
     flops_per_sample = model.flops_per_sample()
     log(f"model {cfg['model_size']}: {n_params / 1e6:.2f} M params | grid {job.grid} = {model.L} tokens, "
-        f"{model.n_keep()} visible | world {world} (dp {world}) | global batch {job.global_batch} | "
+        f"{model.n_keep()} visible (mask ratio {1 - model.n_keep() / model.L:.4f} realised, {cfg['mask_ratio']} asked) | "
+        f"world {world} = dp {job.dp_size} x cp {job.cp} ({cfg['cp_impl'] if job.cp > 1 else 'no cp'}) | "
+        f"global batch {job.global_batch} | "
         f"peak lr {job.peak_lr:.3g} | {job.dtype} on {job.device.type}")
 
     # ---- resume from the newest complete checkpoint

@@ -1,0 +1,62 @@
+"""train.py with context parallelism: cp runs follow the cp = 1 trajectory; bad CP input fails early."""
+import pytest
+import torch
+
+import configurator
+import model as M
+import train
+from conftest import read_log, run_train, small_args
+
+
+def _losses(d):
+    return [r["loss"] for r in read_log(d)]
+
+
+def _same(a, b, tol=1e-5):
+    assert len(a) == len(b) and len(a) > 0
+    for x, y in zip(a, b):
+        assert abs(x - y) <= tol * abs(x), (a, b)
+
+
+def test_ten_steps_cp2_match_cp1(small_store, tmp_path):
+    # cp = 1 with mask_strata = 2 draws exactly the masks that cp = 2 draws (strata, not ranks, set them)
+    one = run_train(small_args(small_store, tmp_path / "cp1", max_steps=10, mask_strata=2), nproc=1)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_train(small_args(small_store, tmp_path / "cp2", max_steps=10, cp=2), nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "dp 1 x cp 2 (ring)" in two.stdout
+    _same(_losses(tmp_path / "cp1"), _losses(tmp_path / "cp2"))
+
+
+def test_dp2_x_cp2_matches_one_rank(small_store, tmp_path):
+    one = run_train(small_args(small_store, tmp_path / "a", max_steps=5, micro_batch=4, mask_strata=2), nproc=1)
+    assert one.returncode == 0, one.stderr[-3000:]
+    four = run_train(small_args(small_store, tmp_path / "b", max_steps=5, micro_batch=2, cp=2), nproc=4)
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert "dp 2 x cp 2" in four.stdout
+    _same(_losses(tmp_path / "a"), _losses(tmp_path / "b"))
+
+
+@pytest.mark.parametrize("extra,nproc,expect", [
+    (["--crop=(24,16,32)", "--cp=3"], 2, "world size 2 is not divisible by cp=3"),
+    (["--crop=(24,16,32)", "--cp=2"], 2, "cannot be split evenly over cp=2"),
+    (["--cp=2", "--cp_impl=torch"], 2, "cp_impl='torch' cannot train on CPU"),
+])
+def test_bad_cp_input_fails_before_training(small_store, tmp_path, extra, nproc, expect):
+    r = run_train(small_args(small_store, tmp_path) + extra, nproc=nproc)
+    assert r.returncode != 0
+    assert expect in r.stderr, r.stderr[-3000:]
+    assert "error: " in r.stderr
+    assert not (tmp_path / "log.jsonl").exists()
+
+
+def test_unsupported_head_dim_is_a_startup_error(monkeypatch):
+    # a researcher's new size with 10-wide heads: fine for plain SDPA, not for the fused ring kernels
+    monkeypatch.setitem(M.MODELS, "odd", lambda **kw: M.MAE(dim=60, depth=1, heads=6, dec_dim=32, dec_depth=1,
+                                                          dec_heads=4, **kw))
+    cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+    cfg.update(model_size="odd", crop=(32, 32, 32), patch=(8, 8, 8))
+    train.validate(cfg)  # cp = 1: plain SDPA takes any head dim
+    cfg["cp"] = 2
+    with pytest.raises(configurator.ConfigError, match="head dim 10 is unsupported"):
+        train.validate(cfg)
