@@ -91,7 +91,7 @@ def merge(out, lse, out_b, lse_b):
     acc = torch.promote_types(out_b.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     if out is None:
         return out_b.to(acc), lse_b.to(acc)
-    out.sub_(torch.sigmoid(lse_b - lse).unsqueeze(-1) * (out - out_b.to(acc)))
+    out.lerp_(out_b.to(acc), torch.sigmoid(lse_b - lse).unsqueeze(-1))  # out - w (out - out_b), no temporary
     lse.sub_(F.logsigmoid(lse - lse_b))
     return out, lse
 
@@ -107,12 +107,14 @@ def _neighbours(group):
     return ranks[(r + 1) % w], ranks[(r - 1) % w]
 
 
-def _exchange(t, nxt, prv, group, tag):
-    """Post: send t to the next rank, receive a tensor like t from the previous one. Returns (works, buf).
-    Nothing waits here: the caller computes, then calls _wait(works)."""
-    buf = torch.empty_like(t)
-    ops = [dist.P2POp(dist.isend, t, nxt, group, tag), dist.P2POp(dist.irecv, buf, prv, group, tag)]
-    return dist.batch_isend_irecv(ops), buf
+def _exchange(ts, nxt, prv, group, tag):
+    """Post: send each tensor of ts to the next rank, receive tensors like them from the previous one.
+    Returns (works, bufs). Nothing waits here: the caller computes, then calls _wait(works). (Sending k and
+    v as two messages, rather than one stacked tensor, saves a copy of the local K/V.)"""
+    bufs = [torch.empty_like(t) for t in ts]
+    ops = [dist.P2POp(dist.isend, t, nxt, group, tag + i) for i, t in enumerate(ts)]
+    ops += [dist.P2POp(dist.irecv, b, prv, group, tag + i) for i, b in enumerate(bufs)]
+    return dist.batch_isend_irecv(ops), bufs
 
 
 def _wait(works):
@@ -127,12 +129,12 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, scale):
         W = dist.get_world_size(group)
         nxt, prv = _neighbours(group) if W > 1 else (None, None)
-        kv = torch.stack([k, v])  # (2, B, H, N, Dh): one message per hop instead of two
+        kv = [k, v]  # the block we compute with; at step s it is rank (r - s)'s
         out = lse = extra = None
         for step in range(W):
             if step < W - 1:  # double buffering: the next block is in flight while we compute this one
                 works, kv_next = _exchange(kv, nxt, prv, group, tag=0)
-            out_b, lse_b, ex = block_fwd(q, kv[0], kv[1], scale)
+            out_b, lse_b, ex = block_fwd(q, kv[0], kv[1], scale)  # (B, H, N, Dh), (B, H, N) fp32
             extra = extra if extra is not None else ex  # same shapes for every block
             out, lse = merge(out, lse, out_b, lse_b)
             if step < W - 1:
@@ -155,7 +157,7 @@ class RingAttention(torch.autograd.Function):
         nxt, prv = _neighbours(group)
         acc = torch.promote_types(q.dtype, torch.float32)  # accumulate in fp32 (fp64 for fp64 inputs)
         dq = torch.zeros_like(q, dtype=acc)
-        kv = torch.stack([k, v])
+        kv = [k, v]
         dkv = dkv_works = dkv_in = None
         for step in range(W):
             # at this step we hold the K/V block of rank (r - step); its dk/dv accumulator arrives from
@@ -166,14 +168,13 @@ class RingAttention(torch.autograd.Function):
             # silently wrong gradient)
             dq_b, dk_b, dv_b = block_bwd(dout, q, kv[0], kv[1], out, lse, scale, ctx.extra)
             dq += dq_b
-            dkv_b = torch.stack([dk_b, dv_b]).to(acc)
             if step == 0:
-                dkv = dkv_b
+                dkv = [dk_b.to(acc).contiguous(), dv_b.to(acc).contiguous()]  # (op outputs may be strided)
             else:
                 _wait(dkv_works)  # the accumulator has been travelling while we computed
-                dkv = dkv_in.add_(dkv_b)
+                dkv = [dkv_in[0].add_(dk_b), dkv_in[1].add_(dv_b)]
             # send the accumulator on with its block; the one we receive belongs to the next block we hold
-            dkv_works, dkv_in = _exchange(dkv, nxt, prv, group, tag=1)
+            dkv_works, dkv_in = _exchange(dkv, nxt, prv, group, tag=2)
             if step < W - 1:
                 _wait(kv_works)
                 kv = kv_next
