@@ -65,6 +65,7 @@ def bench_step(argv, warmup=3, steps=10):
         dt = (time.perf_counter() - t) / steps
     finally:
         batches.close()
+        job.sampler.close()
     threads = torch.get_num_threads()
     peak = matmul_flops(job.device, job.dtype)
     sps = job.global_batch / dt

@@ -18,9 +18,12 @@ scale of a survey carries meaning, and inference must normalise the same way. De
 as NaN (MDIO's fill value) and become 0 after normalisation, i.e. the volume mean.
 """
 
+import itertools
 import json
 import math
 import os
+import random
+import time
 
 import numpy as np
 import torch
@@ -145,43 +148,232 @@ def ensure_synthetic(path, shape, seed=0, chunks=(64, 64, 64)):
 # 3. one opened volume
 
 
-class Volume:
-    """An MDIO v1 store (or a Zarr group with a 3D array) opened for reading crops."""
+class ReadOptions:
+    """How stores are opened and read; train.py fills it from its config.
+      in_flight        chunk requests in flight per process (a thread each); also sizes the HTTP pool
+      retries          attempts after the first for a transient failure (5xx, SlowDown, reset, timeout)
+      backoff_s        first backoff; doubles each retry, with full jitter
+      timeout_s        a request that has not answered by then is abandoned and retried
+      anon             anonymous S3 access (public buckets); otherwise the normal AWS credential chain
+      endpoint_url     S3-compatible endpoint (MinIO, Ceph, a loopback test server); None = AWS
+      storage_options  anything else for fsspec/s3fs (never logged: it may hold credentials)"""
 
-    def __init__(self, path):
-        if not os.path.exists(path):
-            raise DataError(f"data path {path!r} does not exist: set data_paths to existing MDIO/Zarr stores "
-                            f"(the quickstart creates its synthetic store when data_paths points at data/)")
-        self.path = path
+    def __init__(self, in_flight=16, retries=6, backoff_s=0.05, timeout_s=30.0, anon=False, endpoint_url=None,
+                 storage_options=None):
+        self.in_flight, self.retries, self.backoff_s, self.timeout_s = in_flight, retries, backoff_s, timeout_s
+        self.anon, self.endpoint_url, self.storage_options = anon, endpoint_url, dict(storage_options or {})
+
+
+def _storage_options(url, opts):
+    """fsspec options for `url`. For s3:// the HTTP connection pool is sized to the requests in flight
+    (botocore's default of 10 would silently cap concurrency) and the timeouts are bounded."""
+    so = dict(opts.storage_options)
+    if url.startswith("s3://"):
+        so.setdefault("anon", opts.anon)
+
+        if opts.endpoint_url:
+            so.setdefault("endpoint_url", opts.endpoint_url)
+        ck = dict(so.get("config_kwargs", {}))
+        ck.setdefault("max_pool_connections", max(10, 2 * opts.in_flight))
+        ck.setdefault("connect_timeout", opts.timeout_s)
+        ck.setdefault("read_timeout", opts.timeout_s)
+        ck.setdefault("retries", {"total_max_attempts": 1})
+        so["config_kwargs"] = ck
+    return so
+
+
+def open_node(url, opts):
+    """The Zarr group or array at a local path or any fsspec URL (s3://, gs://, file://, ...), read-only.
+    Turns the usual failures into one DataError that names the store and the fix."""
+    if "://" not in url:
+        if not os.path.exists(url):
+            raise DataError(f"data path {url!r} does not exist: set data_paths to existing MDIO/Zarr stores "
+                            f"(local paths or s3:// URLs)")
+        store = zarr.storage.LocalStore(url, read_only=True)
+    else:
+        import fsspec
         try:
-            root = zarr.open_group(path, mode="r")
-        except Exception as e:
-            raise DataError(f"{path!r} is not a Zarr group ({e}); expected an MDIO v1 store") from e
-        name = root.attrs.get("attributes", {}).get("defaultVariableName", "amplitude")
-        if name not in root:
-            raise DataError(f"{path!r} has no variable {name!r}: expected an MDIO store with a 3D '{name}' array")
-        self.arr = root[name]
-        if self.arr.ndim != 3:
-            raise DataError(f"{path!r}:{name} has shape {self.arr.shape}; a 3D (inline, crossline, time) volume "
-                            f"is needed")
-        self.shape = tuple(self.arr.shape)
-        stats = self.arr.attrs.get("statsV1")
-        if stats is None:
-            raise DataError(f"{path!r}:{name} has no statsV1 attribute: per-volume mean/std are needed to "
-                            f"normalise; write them when creating the store")
-        s = json.loads(stats) if isinstance(stats, str) else stats
-        self.mean = s["sum"] / s["count"]
-        self.std = math.sqrt(max(s["sumSquares"] / s["count"] - self.mean ** 2, 0.0)) or 1.0
-        self.trace_mask = np.asarray(root["trace_mask"][:]) if "trace_mask" in root else None
+            fs, path = fsspec.url_to_fs(url, asynchronous=True, **_storage_options(url, opts))
+            if url.startswith("s3://"):
+                # one layer of retries, ours (bounded, with jitter, naming the chunk): s3fs's own loop and
+                # botocore's would multiply with it, turning a dead endpoint into minutes of silent waiting
+                fs.retries = 1
+            store = zarr.storage.FsspecStore(fs, path=path, read_only=True)
+        except ImportError as e:
+            raise DataError(f"{url!r}: no fsspec filesystem for this URL scheme ({e}); install its package "
+                            f"(s3fs for s3://)") from e
+    try:
+        return zarr.open(store=store, mode="r")
+    except PermissionError as e:
+        raise DataError(f"access denied to {url!r} ({e}): check the AWS credentials (profile, env, instance role), "
+                        f"the bucket policy, or set s3_anon=True for a public bucket") from e
+    except FileNotFoundError as e:  # zarr's NodeNotFoundError is one too
+        if url.startswith("s3://") and not _bucket_exists(url, opts):
+            raise DataError(f"the bucket of {url!r} does not exist (or these credentials cannot see it): check the "
+                            f"bucket name, region and s3_endpoint") from e
+        raise DataError(f"no Zarr store at {url!r} ({type(e).__name__}: {e}): check the key (an MDIO store is a "
+                        f"folder with zarr.json, or .zgroup for MDIO v0)") from e
+    except Exception as e:
+        txt = f"{type(e).__name__}: {e}"
+        if "AccessDenied" in txt or "Forbidden" in txt:
+            raise DataError(f"access denied to {url!r} ({txt}): check the AWS credentials, the bucket policy, "
+                            f"or set s3_anon=True for a public bucket") from e
+        raise  # anything else may be transient (5xx, reset, timeout): the caller retries it
 
-    def read(self, origin, shape):
-        """The crop [origin, origin + shape) as float32, normalised to zero mean and unit std with the
-        volume's statistics; dead traces (NaN) become 0."""
-        sl = tuple(slice(o, o + s) for o, s in zip(origin, shape))
-        x = np.asarray(self.arr[sl], dtype=np.float32)
-        x = (x - np.float32(self.mean)) / np.float32(self.std)
+
+def _bucket_exists(url, opts):
+    import fsspec
+    fs = fsspec.filesystem("s3", **_storage_options(url, opts))
+    try:
+        return fs.exists(url[len("s3://"):].split("/")[0])
+    except Exception:
+        return True  # cannot tell: do not claim it is missing
+
+
+def with_retries(fn, opts, what, permanent=(PermissionError, FileNotFoundError, DataError)):
+    """fn(), retrying a transient failure (HTTP 5xx and SlowDown, connection reset, timeout, a truncated
+    body) with exponential backoff and full jitter, at most opts.retries times; then a DataError that says
+    `what` failed. Errors in `permanent` (access denied, not found, bad input) are not retried."""
+    for attempt in range(opts.retries + 1):
+        try:
+            with zarr.config.set({"async.timeout": opts.timeout_s}):  # a stuck request gives up, then retries
+                return fn()
+        except permanent:
+            raise
+        except Exception as e:
+            if attempt == opts.retries:
+                raise DataError(f"{what} failed {attempt + 1} times; last error: {type(e).__name__}: {e}") from e
+            time.sleep(random.uniform(0, opts.backoff_s * 2 ** attempt))
+
+
+def _stats_from(mean, std, what):
+    if not (np.isfinite(mean) and np.isfinite(std) and std > 0):
+        raise DataError(f"{what}: mean {mean} / std {std} are not usable for normalisation")
+    return float(mean), float(std)
+
+
+class Volume:
+    """One 3D seismic volume, opened for reading crops: an MDIO v1 store (Zarr v3 group, variable named by
+    attributes.defaultVariableName, stats in statsV1, trace_mask), an MDIO v0 store (Zarr v2 group,
+    data/chunked_012, root mean/std, metadata/live_mask), or a plain 3D Zarr array (stats from its
+    attributes mean/std if present, else estimated from a few chunks)."""
+
+    def __init__(self, url, opts=None):
+        self.url, self.opts = url, opts or ReadOptions()
+        # metadata reads go over the network too: retried like chunks; not-found and denied are final
+        with_retries(self._open, self.opts, f"opening {url!r}",
+                     permanent=(PermissionError, FileNotFoundError, DataError, zarr.errors.BaseZarrError))
+        self.shape, self.chunks = tuple(self.arr.shape), tuple(self.arr.chunks)
+        self.bytes_read = 0  # voxel bytes delivered (uncompressed), for the GB/s in the log
+
+    def _open(self):
+        url = self.url
+        node = open_node(url, self.opts)
+        self.trace_mask = None
+        if isinstance(node, zarr.Array):  # a plain array
+            self.arr = node
+            self._check_3d(url)
+            a = node.attrs
+            self.mean, self.std = (_stats_from(a["mean"], a["std"], url) if "mean" in a and "std" in a
+                                   else self._estimate_stats())
+        elif "data" in node and "chunked_012" in node["data"]:  # MDIO v0
+            self.arr = node["data"]["chunked_012"]
+            self._check_3d(url)
+            a = node.attrs
+            if "mean" not in a or "std" not in a:
+                raise DataError(f"{url!r} looks like MDIO v0 but has no root mean/std attributes")
+            self.mean, self.std = _stats_from(a["mean"], a["std"], url)
+            if "metadata" in node and "live_mask" in node["metadata"]:
+                self.trace_mask = np.asarray(node["metadata"]["live_mask"][:], dtype=bool)
+        else:  # MDIO v1
+            name = node.attrs.get("attributes", {}).get("defaultVariableName", "amplitude")
+            if name not in node:
+                raise DataError(f"{url!r} has no variable {name!r}: expected an MDIO store with a 3D {name!r} "
+                                f"array (or set data_paths to the array itself)")
+            self.arr = node[name]
+            self._check_3d(url)
+            stats = self.arr.attrs.get("statsV1")
+            if stats is None:
+                self.mean, self.std = self._estimate_stats()
+            else:
+                st = json.loads(stats) if isinstance(stats, str) else stats
+                mean = st["sum"] / st["count"]
+                self.mean, self.std = _stats_from(mean, math.sqrt(max(st["sumSquares"] / st["count"] - mean ** 2, 0)),
+                                                  url)
+            if "trace_mask" in node:
+                self.trace_mask = np.asarray(node["trace_mask"][:], dtype=bool)
+
+    def _check_3d(self, url):
+        if self.arr.ndim != 3:
+            raise DataError(f"{url!r} holds a {self.arr.ndim}D array of shape {self.arr.shape}; a 3D (inline, "
+                            f"crossline, time) volume is needed (2D lines and prestack gathers are not supported)")
+
+    def _estimate_stats(self):
+        """Mean/std over up to 8 chunks spread through the volume (a plain array carries no statistics)."""
+        grid = [math.ceil(s / c) for s, c in zip(self.arr.shape, self.arr.chunks)]
+        picks = {tuple(int(g * f) for g in grid) for f in np.linspace(0, 0.999, 8)}
+        vals = np.concatenate([self._read_chunk_region(p, tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in
+                                                                zip(p, self.arr.chunks, self.arr.shape))).ravel()
+                               for p in picks]).astype(np.float64)
+        vals = vals[np.isfinite(vals)]
+        if vals.size == 0:
+            raise DataError(f"{self.url!r}: no finite values in the chunks sampled to estimate mean/std; add "
+                            f"'mean' and 'std' attributes to the array")
+        return _stats_from(vals.mean(), vals.std(), self.url)
+
+    def chunk_key(self, coords):
+        """The storage key of chunk `coords`, e.g. 'amplitude/c/0/1/2' (v3) or 'data/chunked_012/0.1.2' (v2)."""
+        key = self.arr.metadata.encode_chunk_key(tuple(coords))
+        return f"{self.arr.path}/{key}" if self.arr.path else key
+
+    def _read_chunk_region(self, coords, sel):
+        """arr[sel] for a selection inside the single chunk `coords`, with retries. A transient failure
+        (HTTP 5xx and SlowDown, connection reset, timeout) is retried with exponential backoff and full
+        jitter; after `retries` it raises a DataError naming the store and the chunk key. Never zeros: a
+        chunk that fails is an error. (A chunk that does not exist is the fill value, by Zarr's rules.)"""
+        try:
+            return with_retries(lambda: self.arr[sel], self.opts, f"chunk {self.chunk_key(coords)!r} of {self.url!r}")
+        except (PermissionError, FileNotFoundError) as e:  # not transient: retrying cannot help
+            raise DataError(f"reading chunk {self.chunk_key(coords)!r} of {self.url!r}: {e}") from e
+
+    def read(self, origin, shape, pool=None, normalize=True):
+        """The crop [origin, origin + shape) as float32. normalize: with the volume's mean/std, dead traces
+        (NaN, MDIO's fill value) -> 0; else the raw values with NaN kept. The crop is read chunk by chunk,
+        each chunk a separate request; with a thread pool, all of them are in flight at once."""
+        if any(o < 0 or o + n > s for o, n, s in zip(origin, shape, self.shape)):
+            raise DataError(f"crop at {origin} of shape {shape} is outside the volume {self.shape} of {self.url!r}")
+        out = np.empty(shape, dtype=np.float32)
+        jobs = []
+        ranges = [range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(origin, shape, self.chunks)]
+        for coords in itertools.product(*ranges):
+            lo = [max(o, i * c) for o, i, c in zip(origin, coords, self.chunks)]
+            hi = [min(o + n, (i + 1) * c) for o, n, i, c in zip(origin, shape, coords, self.chunks)]
+            src = tuple(slice(a, b) for a, b in zip(lo, hi))
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin))
+            jobs.append((coords, src, dst))
+
+        def fetch(job):
+            coords, src, dst = job
+            out[dst] = self._read_chunk_region(coords, src)
+
+        if pool is None or len(jobs) == 1:
+            for j in jobs:
+                fetch(j)
+        else:
+            for f in [pool.submit(fetch, j) for j in jobs]:
+                f.result()  # re-raises the first failure
+        self.bytes_read += out.nbytes
+        if not normalize:
+            return out
+        x = (out - np.float32(self.mean)) / np.float32(self.std)
         # only NaN is a dead trace; an inf is bad data and is left to fail loudly (non-finite loss)
         return np.where(np.isnan(x), np.float32(0.0), x)
+
+    def live_fraction(self, origin, shape):
+        """Fraction of live traces under the crop's footprint (1.0 without a trace mask)."""
+        if self.trace_mask is None:
+            return 1.0
+        return float(self.trace_mask[origin[0]:origin[0] + shape[0], origin[1]:origin[1] + shape[1]].mean())
 
 
 # -----------------------------------------------------------------------------
@@ -190,16 +382,24 @@ class Volume:
 
 class Sampler:
     """Random crops of shape `crop` from `paths`. Every rank constructs the same Sampler; batch() picks
-    the samples that belong to (step, micro, dp_rank)."""
+    the samples that belong to (step, micro, dp_rank), and reads this rank's CP slab of each.
+      align         crop origins on chunk boundaries (along axes where the crop is at least a chunk), so a
+                    crop touches the fewest chunks: 640 x 640 x 1024 in 128^3 chunks is 200 chunks aligned,
+                    up to 324 not
+      min_live      skip crops whose live-trace fraction (trace_mask under the crop) is below this
+      opts          ReadOptions: requests in flight, retries, timeouts, S3 access"""
 
-    def __init__(self, paths, crop, seed=0, micro_batch=1, dp_rank=0, dp_size=1, grad_accum=1, cp_rank=0, cp_size=1):
+    def __init__(self, paths, crop, seed=0, micro_batch=1, dp_rank=0, dp_size=1, grad_accum=1, cp_rank=0,
+                 cp_size=1, align=False, min_live=0.0, opts=None):
+        from concurrent.futures import ThreadPoolExecutor
         if isinstance(paths, str):
             paths = [paths]
-        self.volumes = [Volume(p) for p in paths]
+        self.opts = opts or ReadOptions()
+        self.volumes = [Volume(p, self.opts) for p in paths]
         self.crop = tuple(crop)
         for v in self.volumes:
             if any(c > s for c, s in zip(self.crop, v.shape)):
-                raise DataError(f"crop {self.crop} is larger than the volume {v.shape} of {v.path!r}: choose a "
+                raise DataError(f"crop {self.crop} is larger than the volume {v.shape} of {v.url!r}: choose a "
                                 f"crop no larger than every volume along each axis")
         self.seed, self.micro_batch, self.grad_accum = seed, micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -207,29 +407,49 @@ class Sampler:
         # crop[0] / cp inline planes (a 1536 x 1536 x 2048 float32 sample is 19 GB: no rank holds one)
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.slab = (self.crop[0] // cp_size,) + self.crop[1:]
+        self.align, self.min_live = align, min_live
+        # the chunk requests of all samples being read share one pool: its size is the requests in flight
+        self.pool = ThreadPoolExecutor(max_workers=self.opts.in_flight, thread_name_prefix="chunk")
 
     def global_index(self, step, micro, i):
         """Sample number in the whole run's stream: steps, then micro steps, then dp ranks, then batch rows."""
         return ((step * self.grad_accum + micro) * self.dp_size + self.dp_rank) * self.micro_batch + i
 
     def locate(self, g):
-        """Which volume and which crop origin global sample g reads: a function of (seed, g) alone."""
+        """Which volume and which crop origin global sample g reads: a function of (seed, g) alone. Crops
+        below min_live are redrawn from the same random stream, so every rank and every resume agrees."""
         rng = np.random.default_rng([self.seed, g])
-        v = int(rng.integers(len(self.volumes)))
-        origin = tuple(int(rng.integers(0, s - c + 1)) for s, c in zip(self.volumes[v].shape, self.crop))
-        return v, origin
+        for _ in range(1000):
+            v = int(rng.integers(len(self.volumes)))
+            vol = self.volumes[v]
+            origin = []
+            for s, c, ch in zip(vol.shape, self.crop, vol.chunks):
+                if self.align and c >= ch:
+                    origin.append(int(rng.integers(0, (s - c) // ch + 1)) * ch)
+                else:
+                    origin.append(int(rng.integers(0, s - c + 1)))
+            if self.min_live <= 0 or vol.live_fraction(origin, self.crop) >= self.min_live:
+                return v, tuple(origin)
+        raise DataError(f"no crop of {self.crop} with a live-trace fraction >= {self.min_live} found in 1000 draws: "
+                        f"lower min_live or check the stores' trace masks")
 
     def sample(self, g):
         """This rank's slab of global sample g."""
         v, origin = self.locate(g)
         origin = (origin[0] + self.cp_rank * self.slab[0],) + origin[1:]
-        return self.volumes[v].read(origin, self.slab)
+        return self.volumes[v].read(origin, self.slab, pool=self.pool)
 
     def batch(self, step, micro=0):
         """(micro_batch, 1, crop[0] / cp, crop[1], crop[2]) float32 tensor, and the global sample indices."""
         ids = [self.global_index(step, micro, i) for i in range(self.micro_batch)]
         x = np.stack([self.sample(g) for g in ids])[:, None]
         return torch.from_numpy(x), ids
+
+    def bytes_read(self):
+        return sum(v.bytes_read for v in self.volumes)
+
+    def close(self):
+        self.pool.shutdown(wait=True)
 
 
 def mask_noise(seed, ids, L, cp_rank=0, cp_size=1):
@@ -244,12 +464,13 @@ def mask_noise(seed, ids, L, cp_rank=0, cp_size=1):
 class Prefetcher:
     """Iterator over the micro batches of steps [start, end), read `depth` micro batches ahead by a pool
     of threads so that reading and decompressing overlap the model's compute (zarr's codecs and numpy
-    release the GIL). Yields what Sampler.batch returns, in order. close() cancels and joins the threads."""
+    release the GIL). Yields what Sampler.batch returns, in order. pin: put each batch in pinned host
+    memory, so that the copy to the GPU can be asynchronous. close() cancels and joins the threads."""
 
-    def __init__(self, sampler, start, end, depth=2):
+    def __init__(self, sampler, start, end, depth=2, pin=False):
         from collections import deque
         from concurrent.futures import ThreadPoolExecutor
-        self.sampler = sampler
+        self.sampler, self.pin = sampler, pin
         self.todo = ((s, m) for s in range(start, end) for m in range(sampler.grad_accum))
         self.pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="prefetch")
         self.pending = deque()
@@ -259,7 +480,11 @@ class Prefetcher:
     def _submit(self):
         nxt = next(self.todo, None)
         if nxt is not None:
-            self.pending.append(self.pool.submit(self.sampler.batch, *nxt))
+            self.pending.append(self.pool.submit(self._read, *nxt))
+
+    def _read(self, step, micro):
+        x, ids = self.sampler.batch(step, micro)
+        return (x.pin_memory() if self.pin else x), ids
 
     def __iter__(self):
         return self

@@ -35,9 +35,18 @@ from model import MODELS
 # config: defaults (config/*.py files and --key=value override them; see configurator.py)
 # I/O
 out_dir = "out/quickstart"  # logs and checkpoints
-data_paths = ["data/quickstart.mdio"]  # MDIO v1 / Zarr v3 stores to sample crops from
+data_paths = ["data/quickstart.mdio"]  # MDIO v1/v0 stores or 3D Zarr arrays: local paths, s3://, any fsspec URL
 make_synthetic = False  # create a synthetic volume at data_paths[0] if it does not exist (quickstart)
 synthetic_shape = (128, 128, 256)  # (inline, crossline, time) of that synthetic volume
+# data streaming (data.py)
+in_flight = 16  # chunk requests in flight per rank (threads; also sizes the S3 connection pool)
+prefetch = 2  # micro batches read ahead of compute
+align_crops = False  # crop origins on chunk boundaries: fewest chunks (and bytes) per crop
+min_live = 0.0  # skip crops whose live-trace fraction is below this
+read_retries = 6  # retries of a failing chunk request (exponential backoff, jitter), then an error
+read_timeout_s = 30.0  # a request that has not answered by then is retried
+s3_anon = False  # anonymous S3 (public buckets); else the normal AWS credential chain
+s3_endpoint = ""  # S3-compatible endpoint URL (MinIO, a loopback test server); "" = AWS
 # sample and model
 crop = (64, 64, 128)  # voxels per sample, (inline, crossline, time)
 patch = (16, 16, 16)  # voxels per token
@@ -117,7 +126,9 @@ def validate(cfg):
                 ring_attention.check_head_dim(d)
             except ValueError as e:
                 raise configurator.ConfigError(f"model_size {cfg['model_size']!r} with cp={cp}: {e}") from None
-    for key in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval", "keep_ckpts"):
+    need(0.0 <= cfg["min_live"] <= 1.0, f"min_live must be in [0, 1], got {cfg['min_live']}")
+    for key in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval", "keep_ckpts", "in_flight",
+                "prefetch"):
         need(cfg[key] >= 1, f"{key} must be >= 1, got {cfg[key]}")
     need(cfg["dtype"] in ("auto", "float32", "bfloat16"), f"dtype must be auto|float32|bfloat16, got {cfg['dtype']!r}")
     need(len(cfg["data_paths"]) >= 1, "data_paths is empty: list at least one MDIO/Zarr store")
@@ -238,9 +249,12 @@ def setup(cfg):
     if cfg["make_synthetic"] and rank == 0:
         data.ensure_synthetic(cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"])
     dist.barrier()
+    opts = data.ReadOptions(in_flight=cfg["in_flight"], retries=cfg["read_retries"], timeout_s=cfg["read_timeout_s"],
+                            anon=cfg["s3_anon"], endpoint_url=cfg["s3_endpoint"] or None)
     job.sampler = data.Sampler(cfg["data_paths"], cfg["crop"], seed=cfg["seed"], micro_batch=cfg["micro_batch"],
                                dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"],
-                               cp_rank=job.cp_rank, cp_size=cp)
+                               cp_rank=job.cp_rank, cp_size=cp, align=cfg["align_crops"], min_live=cfg["min_live"],
+                               opts=opts)
 
     # ---- model and optimizer. Same init on every rank (seeded), as data parallelism requires.
     torch.manual_seed(cfg["seed"])
@@ -339,11 +353,13 @@ def main(argv):
     os.makedirs(cfg["out_dir"], exist_ok=True)
     log_file = open(os.path.join(cfg["out_dir"], "log.jsonl"), "a") if rank == 0 else None
     end = cfg["max_steps"] if cfg["stop_step"] <= 0 else min(cfg["max_steps"], cfg["stop_step"])
-    batches = data.Prefetcher(job.sampler, start, end)
-    t_last, data_time, steps_since = time.time(), 0.0, 0
+    batches = data.Prefetcher(job.sampler, start, end, depth=cfg["prefetch"], pin=job.on_gpu)
+    t_last, data_time, steps_since, bytes_last = time.time(), 0.0, 0, job.sampler.bytes_read()
     try:
         for step in range(start, end):
+            t_step = time.time()
             step_loss, lr, wait = train_step(job, step, batches)
+            t_step = time.time() - t_step
             data_time += wait
             # a non-finite loss stops all ranks together (all saw the same reduced value), before any save
             if not math.isfinite(step_loss.item()):
@@ -359,12 +375,14 @@ def main(argv):
                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 30
                 speed = (f"MFU {100 * flops / (world * cfg['gpu_peak_flops']):.1f}%" if job.on_gpu
                          else f"{flops / world / 1e9:.2f} GFLOP/s/rank")
+                gbps = (job.sampler.bytes_read() - bytes_last) / (dt * steps_since) / 1e9  # this rank's reads
                 log(f"step {step:5d} | loss {step_loss.item():.4f} | lr {lr:.3e} | {sps:.2f} samples/s | "
-                    f"{sps * model.L:,.0f} tok/s | {1000 * dt:.0f} ms/step | {speed} | data wait "
-                    f"{100 * data_time / (dt * steps_since):.1f}% | peak mem {mem:.2f} GB")
-                t_last, data_time, steps_since = time.time(), 0.0, 0
+                    f"{sps * model.L:,.0f} tok/s | {1000 * dt:.0f} ms/step | {speed} | data {gbps:.3f} GB/s/rank, "
+                    f"wait {100 * data_time / (dt * steps_since):.1f}% | peak mem {mem:.2f} GB")
+                t_last, data_time, steps_since, bytes_last = time.time(), 0.0, 0, job.sampler.bytes_read()
             if log_file:
-                log_file.write(json.dumps({"step": step, "loss": step_loss.item(), "lr": lr}) + "\n")
+                log_file.write(json.dumps({"step": step, "loss": step_loss.item(), "lr": lr, "step_s": round(t_step, 5),
+                                           "wait_s": round(wait, 5)}) + "\n")
                 log_file.flush()
             if (step + 1) % cfg["ckpt_interval"] == 0 or step + 1 == end:
                 save_checkpoint(engine, ckpt_dir, step + 1, {"step": step + 1, "config": cfg,
@@ -373,6 +391,7 @@ def main(argv):
                 log(f"checkpoint step_{step + 1:07d} written to {ckpt_dir}")
     finally:
         batches.close()
+        job.sampler.close()
     return 0
 
 

@@ -1,0 +1,138 @@
+"""A real S3 endpoint on loopback for tests and benchmarks: moto's ThreadedMotoServer (the convention of
+the s3fs and zarr test suites), and FaultProxy, an HTTP proxy in front of it that fails a chosen fraction
+of requests the ways S3 does: 503 SlowDown, a dropped connection, or a long delay."""
+import http.client
+import http.server
+import os
+import random
+import socket
+import threading
+import time
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dummy_credentials():
+    """moto accepts any credentials; set them so that nothing reaches for a real AWS account."""
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        os.environ[k] = v
+
+
+class MotoS3:
+    """Start/stop a moto S3 server on 127.0.0.1; .endpoint is its URL."""
+
+    def __init__(self):
+        import logging
+
+        from moto.server import ThreadedMotoServer
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one log line per request otherwise
+        dummy_credentials()
+        self.port = free_port()
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def client(self):
+        import boto3
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
+
+    def upload_dir(self, local_dir, bucket, prefix):
+        """Upload a local store directory to s3://bucket/prefix/ (creates the bucket if needed)."""
+        c = self.client()
+        try:
+            c.create_bucket(Bucket=bucket)
+        except c.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        for root, _, files in os.walk(local_dir):
+            for f in files:
+                path = os.path.join(root, f)
+                key = prefix.rstrip("/") + "/" + os.path.relpath(path, local_dir).replace(os.sep, "/")
+                c.upload_file(path, bucket, key)
+        return f"s3://{bucket}/{prefix.rstrip('/')}"
+
+    def stop(self):
+        self.server.stop()
+
+
+class FaultProxy:
+    """HTTP proxy to `upstream` that, for GET requests, answers a fraction `fail` of them with a fault:
+    503 SlowDown, a dropped connection (socket closed with no response), or a delay of `delay_s` before
+    forwarding, in the proportions of `kinds`. Seeded: the same requests fail in the same way. Counts what
+    it did in .stats. forbid=True answers every request 403 AccessDenied (a bucket you may not read)."""
+
+    def __init__(self, upstream_port, fail=0.1, kinds=("503", "drop", "delay"), delay_s=2.0, seed=0, forbid=False):
+        self.upstream_port, self.fail, self.kinds, self.delay_s = upstream_port, fail, kinds, delay_s
+        self.forbid = forbid
+        self.rng, self.lock = random.Random(seed), threading.Lock()
+        self.stats = {"requests": 0, "503": 0, "drop": 0, "delay": 0}
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _forward(self):
+                body = None
+                if "Content-Length" in self.headers:
+                    body = self.rfile.read(int(self.headers["Content-Length"]))
+                fault = None
+                with proxy.lock:
+                    proxy.stats["requests"] += 1
+                    if self.command == "GET" and proxy.rng.random() < proxy.fail:
+                        fault = proxy.rng.choice(proxy.kinds)
+                        proxy.stats[fault] += 1
+                if proxy.forbid or fault == "503":
+                    code, msg = (403, b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>") \
+                        if proxy.forbid else \
+                        (503, b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>")
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
+                if fault == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if fault == "delay":
+                    time.sleep(proxy.delay_s)
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                headers["Host"] = f"127.0.0.1:{proxy.upstream_port}"
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
+
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request, client_address):
+                pass  # clients that gave up (timeouts) leave broken pipes behind: expected here
+
+        self.port = free_port()
+        self.server = Server(("127.0.0.1", self.port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()

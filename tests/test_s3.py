@@ -1,0 +1,147 @@
+"""data.py against a real S3 HTTP endpoint on loopback (moto), with and without injected faults."""
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import zarr
+
+import data
+from conftest import read_log, run_train, small_args, job_env
+from s3_util import FaultProxy, MotoS3
+
+
+@pytest.fixture(scope="module")
+def s3(small_store):
+    m = MotoS3()
+    m.url = m.upload_dir(small_store, "bkt", "small.mdio")
+    yield m
+    m.stop()
+
+
+CROPS = [((0, 0, 0), (32, 32, 64)), ((3, 5, 7), (20, 17, 40)), ((16, 0, 48), (16, 32, 16))]
+
+
+@pytest.mark.parametrize("in_flight", [1, 8])
+def test_s3_reads_equal_local_reads(s3, small_store, in_flight):
+    local = data.Volume(small_store)
+    remote = data.Volume(s3.url, data.ReadOptions(in_flight=in_flight, endpoint_url=s3.endpoint))
+    assert remote.shape == local.shape and (remote.mean, remote.std) == (local.mean, local.std)
+    assert np.array_equal(remote.trace_mask, local.trace_mask)
+    with ThreadPoolExecutor(in_flight) as pool:
+        for origin, shape in CROPS:
+            a = remote.read(origin, shape, pool=pool, normalize=False)
+            b = local.read(origin, shape, normalize=False)
+            assert np.array_equal(a, b, equal_nan=True)
+            assert np.array_equal(remote.read(origin, shape, pool=pool), local.read(origin, shape))
+
+
+def test_faults_are_retried_and_reads_stay_exact(s3, small_store):
+    proxy = FaultProxy(s3.port, fail=0.3, delay_s=1.0, seed=1)
+    try:
+        remote = data.Volume(s3.url, data.ReadOptions(in_flight=8, endpoint_url=proxy.endpoint, timeout_s=0.5,
+                                                      retries=8))
+        local = data.Volume(small_store)
+        with ThreadPoolExecutor(8) as pool:
+            for origin, shape in CROPS * 3:
+                assert np.array_equal(remote.read(origin, shape, pool=pool, normalize=False),
+                                      local.read(origin, shape, normalize=False), equal_nan=True)
+        assert proxy.stats["503"] > 0 and proxy.stats["drop"] > 0 and proxy.stats["delay"] > 0, proxy.stats
+    finally:
+        proxy.stop()
+
+
+def test_a_chunk_that_keeps_failing_is_an_error_naming_its_key(s3):
+    proxy = FaultProxy(s3.port, fail=0.0)
+    try:
+        vol = data.Volume(s3.url, data.ReadOptions(in_flight=2, endpoint_url=proxy.endpoint, retries=2, timeout_s=0.5,
+                                                   backoff_s=0.01))
+        proxy.fail, proxy.kinds, proxy.delay_s = 1.0, ("delay",), 2.0  # every request now hangs: timeouts
+        t = time.time()
+        with pytest.raises(data.DataError, match=r"chunk 'amplitude/c/0/0/0' of 's3://bkt/small.mdio' failed 3 times"):
+            vol.read((0, 0, 0), (4, 4, 4))
+        assert time.time() - t < 20  # bounded: 3 attempts x 0.5 s timeout + backoff
+    finally:
+        proxy.stop()
+
+
+def test_corrupt_chunk_names_its_key(s3, small_store):
+    url = s3.upload_dir(small_store, "bkt", "corrupt.mdio")
+    s3.client().put_object(Bucket="bkt", Key="corrupt.mdio/amplitude/c/1/0/2", Body=b"\x02\x01garbage" * 10)
+    vol = data.Volume(url, data.ReadOptions(endpoint_url=s3.endpoint, retries=1, backoff_s=0.01))
+    vol.read((0, 0, 0), (16, 16, 16))  # other chunks are fine
+    with pytest.raises(data.DataError, match=r"chunk 'amplitude/c/1/0/2' of 's3://bkt/corrupt.mdio'"):
+        vol.read((16, 0, 32), (16, 16, 16))
+
+
+def test_missing_chunk_is_the_fill_value_not_an_error(s3, small_store):
+    url = s3.upload_dir(small_store, "bkt", "holey.mdio")
+    s3.client().delete_object(Bucket="bkt", Key="holey.mdio/amplitude/c/0/1/1")
+    vol = data.Volume(url, data.ReadOptions(endpoint_url=s3.endpoint))
+    raw = vol.read((0, 16, 16), (16, 16, 16), normalize=False)
+    assert np.isnan(raw).all()  # MDIO's fill value: a dead region
+    assert (vol.read((0, 16, 16), (16, 16, 16)) == 0).all()
+
+
+def test_bad_s3_input_is_a_clear_error(s3, tmp_path):
+    opts = data.ReadOptions(endpoint_url=s3.endpoint)
+    with pytest.raises(data.DataError, match="bucket of 's3://no-such-bucket/x.mdio' does not exist"):
+        data.Volume("s3://no-such-bucket/x.mdio", opts)
+    with pytest.raises(data.DataError, match="no Zarr store at 's3://bkt/missing.mdio'"):
+        data.Volume("s3://bkt/missing.mdio", opts)
+    proxy = FaultProxy(s3.port, forbid=True)
+    try:
+        with pytest.raises(data.DataError, match="access denied"):
+            data.Volume(s3.url, data.ReadOptions(endpoint_url=proxy.endpoint, retries=0))
+    finally:
+        proxy.stop()
+    # a store without the variable, and a 2D store
+    g = zarr.open_group(str(tmp_path / "novar.zarr"), mode="w")
+    g.create_array("seismic", shape=(8, 8, 8), dtype="float32")
+    g2 = zarr.open_group(str(tmp_path / "twod.zarr"), mode="w")
+    g2.attrs["attributes"] = {"defaultVariableName": "amplitude"}
+    g2.create_array("amplitude", shape=(8, 8), dtype="float32")
+    for name in ("novar.zarr", "twod.zarr"):
+        s3.upload_dir(str(tmp_path / name), "bkt", name)
+    with pytest.raises(data.DataError, match="has no variable 'amplitude'"):
+        data.Volume("s3://bkt/novar.zarr", opts)
+    with pytest.raises(data.DataError, match="2D array of shape"):
+        data.Volume("s3://bkt/twod.zarr", opts)
+    with pytest.raises(data.DataError, match="larger than the volume"):
+        data.Sampler([s3.url], (16, 16, 128), opts=opts)
+
+
+def test_aligned_crops_and_live_fraction(small_store):
+    s = data.Sampler([small_store], (16, 16, 32), align=True, min_live=1.0)
+    vol = s.volumes[0]
+    for g in range(50):
+        _, origin = s.locate(g)
+        assert all(o % c == 0 for o, c in zip(origin, vol.chunks))
+        assert vol.live_fraction(origin, s.crop) == 1.0  # the dead corner is never picked
+    with pytest.raises(data.DataError, match="live-trace fraction"):
+        data.Sampler([small_store], (32, 32, 32), min_live=1.0).locate(0)
+
+
+def test_training_through_faulty_s3_equals_fault_free(s3, small_store, tmp_path):
+    """50 steps reading from S3 through a proxy that fails 10 % of requests complete, and every sample is
+    the fault-free run's, bit for bit (Sampler level), so the losses are identical too."""
+    proxy = FaultProxy(s3.port, fail=0.1, delay_s=1.0, seed=2)
+    try:
+        env = job_env()
+        args = dict(max_steps=50, log_interval=10, read_timeout_s=0.5)
+        clean = run_train(small_args(s3.url, tmp_path / "clean", s3_endpoint=s3.endpoint, **args), env=env)
+        assert clean.returncode == 0, clean.stderr[-3000:]
+        faulty = run_train(small_args(s3.url, tmp_path / "faulty", s3_endpoint=proxy.endpoint, **args), env=env)
+        assert faulty.returncode == 0, faulty.stderr[-3000:]
+        assert proxy.stats["503"] + proxy.stats["drop"] + proxy.stats["delay"] > 10, proxy.stats
+        assert [r["loss"] for r in read_log(tmp_path / "clean")] == [r["loss"] for r in read_log(tmp_path / "faulty")]
+        # and sample by sample, through the proxy against the local store
+        a = data.Sampler([s3.url], (16, 16, 32), micro_batch=2,
+                         opts=data.ReadOptions(in_flight=8, endpoint_url=proxy.endpoint, timeout_s=0.5))
+        b = data.Sampler([small_store], (16, 16, 32), micro_batch=2)
+        for step in range(50):
+            assert np.array_equal(a.batch(step)[0].numpy(), b.batch(step)[0].numpy())
+        a.close()
+        b.close()
+    finally:
+        proxy.stop()
