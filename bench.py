@@ -4,6 +4,7 @@ The measured numbers. Each subcommand prints a table, then one JSON line as the 
     python bench.py step config/quickstart.py [--key=value ...]   training-step throughput vs matmul peak
     python bench.py attention [--n=16384] [--ranks=2] [--only=ring] full SDPA vs ring vs torch CP, per rank
     python bench.py gpu-check                                      the ring's CUDA op path, on a GPU
+    python bench.py data [--latency_ms=20] [--crops=24]            our reader vs a plain zarr read; S3 training
 
 Speed is shown here, side by side in one run, never asserted in tests: the machine is noisy, ratios
 measured together are what carry over.
@@ -15,6 +16,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 
@@ -252,8 +254,149 @@ def gpu_check(argv):
     return out
 
 
+# -----------------------------------------------------------------------------
+# data: our reader (chunk requests in flight from a thread pool, several crops at once) against a plain
+# zarr slice read of the same crops one after another, (a) on a local store behind an emulated per-request
+# latency, like S3's time to first byte, and (b) on a loopback S3 endpoint (moto); then a quickstart
+# training run reading from that S3 endpoint, with its data-wait fraction.
+
+
+def _latency_store(path, latency_s):
+    import asyncio
+
+    import zarr
+
+    class LatencyStore(zarr.storage.WrapperStore):
+        """A local store whose every get waits latency_s first (an S3 GET's time to first byte)."""
+
+        async def get(self, key, prototype, byte_range=None):
+            await asyncio.sleep(latency_s)
+            return await self._store.get(key, prototype, byte_range)
+
+    return LatencyStore(zarr.storage.LocalStore(path, read_only=True))
+
+
+def _time_reads(vol, crops, in_flight=None):
+    """Seconds to read every crop. in_flight None: plain zarr, vol.arr[crop] one crop after another (zarr
+    itself overlaps the chunk GETs inside one read, up to its async.concurrency of 10). Otherwise our
+    reader: a pool of in_flight chunk requests, and enough crops in flight to keep it full."""
+    from concurrent.futures import ThreadPoolExecutor
+    t = time.perf_counter()
+    if in_flight is None:
+        for o, c in crops:
+            np.asarray(vol.arr[tuple(slice(a, a + n) for a, n in zip(o, c))])
+    else:
+        per_crop = math.prod(math.ceil(n / ch) for n, ch in zip(crops[0][1], vol.chunks))
+        depth = max(1, math.ceil(in_flight / per_crop)) + 1
+        with ThreadPoolExecutor(in_flight) as chunk_pool, ThreadPoolExecutor(depth) as crop_pool:
+            for f in [crop_pool.submit(vol.read, o, c, chunk_pool, False) for o, c in crops]:
+                f.result()
+    return time.perf_counter() - t
+
+
+def bench_data(argv):
+    import subprocess
+    import tempfile
+
+    import data
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+    from s3_util import MotoS3
+
+    opts = {"latency_ms": 20.0, "crops": 24, "shape": (128, 128, 256), "chunk": 64, "crop": 64, "steps": 60,
+            "levels": (1, 4, 16, 64)}
+    import configurator
+    configurator.apply(opts, argv)
+    lat = opts["latency_ms"] / 1000
+    rows, out = [], {"bench": "data", "latency_ms": opts["latency_ms"], "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "vol.mdio")
+        ch = opts["chunk"]
+        data.write_mdio(path, data.synthetic_volume(opts["shape"], seed=1), chunks=(ch, ch, ch))
+        chunk_bytes = ch ** 3 * 4
+        c = opts["crop"]
+        rng = np.random.default_rng(0)  # chunk-aligned crops: c^3 / ch^3 chunks each
+        crops = [(tuple(int(rng.integers(0, (s - c) // ch + 1)) * ch for s in opts["shape"]), (c, c, c))
+                 for _ in range(opts["crops"])]
+        n_chunks = len(crops) * math.prod(math.ceil(c / ch) for _ in range(3))
+        moto = MotoS3()
+        try:
+            url = moto.upload_dir(path, "bench", "vol.mdio")
+            for where in ("local+latency", "loopback S3"):
+                def vol(n):
+                    o = data.ReadOptions(in_flight=n, endpoint_url=moto.endpoint)
+                    return (data.Volume(path, o, store=_latency_store(path, lat)) if where == "local+latency"
+                            else data.Volume(url, o))
+                _time_reads(vol(10), crops[:2])  # warm-up: event loop, connection pool
+                t_zarr = _time_reads(vol(10), crops)
+                gb = len(crops) * c ** 3 * 4 / 1e9
+                rows.append([where, "plain zarr", "<=10", f"{t_zarr:.3f}", f"{gb / t_zarr:.3f}", "-", "1.00x"])
+                best = None
+                for n in opts["levels"]:
+                    t = _time_reads(vol(n), crops, in_flight=n)
+                    limit = n * chunk_bytes / lat / 1e9 if where == "local+latency" else None
+                    frac = (gb / t) / limit if limit else None
+                    rows.append([where, "ours", n, f"{t:.3f}", f"{gb / t:.3f}",
+                                 f"{limit:.3f} ({100 * frac:.0f}%)" if limit else "-", f"{t_zarr / t:.2f}x"])
+                    if best is None or t < best[1]:
+                        best = (n, t, frac)
+                    out[f"{'lat' if limit else 's3'}_ours_{n}_gbps"] = round(gb / t, 4)
+                if where == "local+latency":
+                    # the CPU's own ceiling: the same reads with no latency at all (decompression and copies)
+                    v0 = data.Volume(path, data.ReadOptions(in_flight=opts["levels"][-1]))
+                    t_cpu = _time_reads(v0, crops, in_flight=opts["levels"][-1])
+                    cpu_gbps = gb / t_cpu
+                    rows.append(["local, 0 ms", "ours", opts["levels"][-1], f"{t_cpu:.3f}", f"{cpu_gbps:.3f}",
+                                 "CPU ceiling", "-"])
+                    out["cpu_ceiling_gbps"] = round(cpu_gbps, 4)
+                key = "lat" if where == "local+latency" else "s3"
+                out[f"{key}_zarr_gbps"] = round(gb / t_zarr, 4)
+                out[f"{key}_best_in_flight"] = best[0]
+                if key == "lat":
+                    out["speedup_vs_zarr"] = round(t_zarr / best[1], 3)
+                    out["frac_of_emulated_limit"] = round(best[2], 3)
+                    # per concurrency level, of the emulated limit and of min(limit, CPU ceiling): on few cores
+                    # decompression caps the top levels, and no reader can beat that
+                    lim = {n: n * chunk_bytes / lat / 1e9 for n in opts["levels"]}
+                    out["frac_of_emulated_limit_by_in_flight"] = {
+                        str(n): round(out[f"lat_ours_{n}_gbps"] / lim[n], 3) for n in opts["levels"]}
+                    out["frac_of_min_limit_cpu_by_in_flight"] = {
+                        str(n): round(out[f"lat_ours_{n}_gbps"] / min(lim[n], cpu_gbps), 3) for n in opts["levels"]}
+                else:
+                    out["s3_speedup_vs_zarr"] = round(t_zarr / best[1], 3)
+            print(f"{len(crops)} chunk-aligned crops of {c}^3 float32 ({n_chunks} chunks of {ch}^3 = "
+                  f"{chunk_bytes / 2 ** 20:.0f} MiB, Blosc zstd 5) from a {opts['shape']} volume; emulated latency "
+                  f"{opts['latency_ms']:.0f} ms per request; limit = in flight x chunk bytes / latency")
+            table(rows, ["store", "reader", "in flight", "seconds", "GB/s", "emulated limit GB/s", "vs zarr"])
+            # the quickstart, reading from the loopback S3 endpoint on 2 ranks
+            qs = os.path.join(d, "qs.mdio")
+            data.write_mdio(qs, data.synthetic_volume((128, 128, 256), seed=0), chunks=(32, 32, 128))  # as quickstart
+            qs_url = moto.upload_dir(qs, "bench", "quickstart.mdio")
+            run_dir = os.path.join(d, "run")
+            env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+            here = os.path.dirname(os.path.abspath(__file__))
+            r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                os.path.join(here, "train.py"), os.path.join(here, "config/quickstart.py"),
+                                f"--data_paths=['{qs_url}']", f"--s3_endpoint={moto.endpoint}", f"--out_dir={run_dir}",
+                                f"--max_steps={opts['steps']}", "--make_synthetic=False", "--log_interval=20"],
+                               env=env, capture_output=True, text=True, cwd=here)
+            if r.returncode != 0:
+                print(r.stderr[-3000:], file=sys.stderr)
+                raise SystemExit("quickstart from S3 failed")
+            log = [json.loads(x) for x in open(os.path.join(run_dir, "log.jsonl"))][5:]  # after warm-up
+            wait = sum(x["wait_s"] for x in log) / sum(x["step_s"] for x in log)
+            print(f"\nquickstart, 2 CPU ranks, data from the loopback S3 endpoint, steps 5..{opts['steps'] - 1}:")
+            for line in r.stdout.splitlines():
+                if line.startswith("step"):
+                    print("  " + line)
+            print(f"  data wait {100 * wait:.2f}% of step time")
+            out["data_wait_frac"] = round(wait, 4)
+        finally:
+            moto.stop()
+    return out
+
+
 if __name__ == "__main__":
-    cmds = {"step": bench_step, "attention": bench_attention, "gpu-check": gpu_check}
+    cmds = {"step": bench_step, "attention": bench_attention, "gpu-check": gpu_check, "data": bench_data}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(f"usage: python bench.py {{{'|'.join(cmds)}}} [CONFIG] [--key=value ...]", file=sys.stderr)
         sys.exit(2)

@@ -183,10 +183,13 @@ def _storage_options(url, opts):
     return so
 
 
-def open_node(url, opts):
-    """The Zarr group or array at a local path or any fsspec URL (s3://, gs://, file://, ...), read-only.
-    Turns the usual failures into one DataError that names the store and the fix."""
-    if "://" not in url:
+def open_node(url, opts, store=None):
+    """The Zarr group or array at a local path or any fsspec URL (s3://, gs://, file://, ...), read-only, or
+    in `store` (a zarr Store object; url then only names it). Turns the usual failures into one DataError
+    that names the store and the fix."""
+    if store is not None:
+        pass
+    elif "://" not in url:
         if not os.path.exists(url):
             raise DataError(f"data path {url!r} does not exist: set data_paths to existing MDIO/Zarr stores "
                             f"(local paths or s3:// URLs)")
@@ -259,8 +262,8 @@ class Volume:
     data/chunked_012, root mean/std, metadata/live_mask), or a plain 3D Zarr array (stats from its
     attributes mean/std if present, else estimated from a few chunks)."""
 
-    def __init__(self, url, opts=None):
-        self.url, self.opts = url, opts or ReadOptions()
+    def __init__(self, url, opts=None, store=None):
+        self.url, self.opts, self.store = url, opts or ReadOptions(), store
         # metadata reads go over the network too: retried like chunks; not-found and denied are final
         with_retries(self._open, self.opts, f"opening {url!r}",
                      permanent=(PermissionError, FileNotFoundError, DataError, zarr.errors.BaseZarrError))
@@ -269,7 +272,7 @@ class Volume:
 
     def _open(self):
         url = self.url
-        node = open_node(url, self.opts)
+        node = open_node(url, self.opts, self.store)
         self.trace_mask = None
         if isinstance(node, zarr.Array):  # a plain array
             self.arr = node
@@ -357,7 +360,7 @@ class Volume:
             coords, src, dst = job
             out[dst] = self._read_chunk_region(coords, src)
 
-        if pool is None or len(jobs) == 1:
+        if pool is None:
             for j in jobs:
                 fetch(j)
         else:
@@ -384,9 +387,10 @@ class Volume:
 class Sampler:
     """Random crops of shape `crop` from `paths`. Every rank constructs the same Sampler; batch() picks
     the samples that belong to (step, micro, dp_rank), and reads this rank's CP slab of each.
-      align         crop origins on chunk boundaries (along axes where the crop is at least a chunk), so a
-                    crop touches the fewest chunks: 640 x 640 x 1024 in 128^3 chunks is 200 chunks aligned,
-                    up to 324 not
+      align         place crops so that they touch the fewest chunks: along an axis where the crop is at
+                    least a chunk, the origin sits on a chunk boundary (640 x 640 x 1024 in 128^3 chunks:
+                    200 chunks aligned, up to 324 not); where it is smaller, the crop lies inside one chunk
+                    (one request per chunk-sized neighbourhood instead of up to 2 per axis)
       min_live      skip crops whose live-trace fraction (trace_mask under the crop) is below this
       opts          ReadOptions: requests in flight, retries, timeouts, S3 access"""
 
@@ -409,8 +413,11 @@ class Sampler:
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.slab = (self.crop[0] // cp_size,) + self.crop[1:]
         self.align, self.min_live = align, min_live
-        # the chunk requests of all samples being read share one pool: its size is the requests in flight
+        # the chunk requests of all samples being read share one pool: its size is the requests in flight.
+        # The samples of a micro batch are read side by side by a second pool (a sample waits on its chunks,
+        # so it must not take a place in the chunk pool).
         self.pool = ThreadPoolExecutor(max_workers=self.opts.in_flight, thread_name_prefix="chunk")
+        self.sample_pool = ThreadPoolExecutor(max_workers=micro_batch, thread_name_prefix="sample")
 
     def global_index(self, step, micro, i):
         """Sample number in the whole run's stream: steps, then micro steps, then dp ranks, then batch rows."""
@@ -427,6 +434,9 @@ class Sampler:
             for s, c, ch in zip(vol.shape, self.crop, vol.chunks):
                 if self.align and c >= ch:
                     origin.append(int(rng.integers(0, (s - c) // ch + 1)) * ch)
+                elif self.align:  # inside one chunk (the last chunk may be short)
+                    k = int(rng.integers(0, (s - c) // ch + 1))
+                    origin.append(k * ch + int(rng.integers(0, min(ch, s - k * ch) - c + 1)))
                 else:
                     origin.append(int(rng.integers(0, s - c + 1)))
             if self.min_live <= 0 or vol.live_fraction(origin, self.crop) >= self.min_live:
@@ -443,13 +453,14 @@ class Sampler:
     def batch(self, step, micro=0):
         """(micro_batch, 1, crop[0] / cp, crop[1], crop[2]) float32 tensor, and the global sample indices."""
         ids = [self.global_index(step, micro, i) for i in range(self.micro_batch)]
-        x = np.stack([self.sample(g) for g in ids])[:, None]
+        x = np.stack(list(self.sample_pool.map(self.sample, ids)))[:, None]
         return torch.from_numpy(x), ids
 
     def bytes_read(self):
         return sum(v.bytes_read for v in self.volumes)
 
     def close(self):
+        self.sample_pool.shutdown(wait=True)
         self.pool.shutdown(wait=True)
 
 

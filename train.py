@@ -38,6 +38,7 @@ out_dir = "out/quickstart"  # logs and checkpoints
 data_paths = ["data/quickstart.mdio"]  # MDIO v1/v0 stores or 3D Zarr arrays: local paths, s3://, any fsspec URL
 make_synthetic = False  # create a synthetic volume at data_paths[0] if it does not exist (quickstart)
 synthetic_shape = (128, 128, 256)  # (inline, crossline, time) of that synthetic volume
+synthetic_chunks = (64, 64, 64)  # its Zarr chunks
 # data streaming (data.py)
 in_flight = 16  # chunk requests in flight per rank (threads; also sizes the S3 connection pool)
 prefetch = 2  # micro batches read ahead of compute
@@ -247,7 +248,8 @@ def setup(cfg):
 
     # ---- data. Rank 0 creates the quickstart's synthetic store; everyone waits, then opens it.
     if cfg["make_synthetic"] and rank == 0:
-        data.ensure_synthetic(cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"])
+        data.ensure_synthetic(cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"],
+                              chunks=cfg["synthetic_chunks"])
     dist.barrier()
     opts = data.ReadOptions(in_flight=cfg["in_flight"], retries=cfg["read_retries"], timeout_s=cfg["read_timeout_s"],
                             anon=cfg["s3_anon"], endpoint_url=cfg["s3_endpoint"] or None)

@@ -5,6 +5,10 @@ out_dir = "out/quickstart"
 data_paths = ["data/quickstart.mdio"]
 make_synthetic = True  # written on first run (about 1 s): 128 x 128 x 256 voxels = 16 MB float32
 synthetic_shape = (128, 128, 256)
+# 32 x 32 x 128 chunks (512 KiB) and aligned crops: every crop lies inside one chunk, so a sample is one
+# request (unaligned, a 16 x 16 x 64 crop can touch 2 x 2 x 2 chunks: 8 requests)
+synthetic_chunks = (32, 32, 128)
+align_crops = True
 
 # sample: 16 x 16 x 64 voxels in 2 x 2 x 16 patches -> 8 x 8 x 4 = 256 tokens, 64 visible at mask
 # ratio 0.75. Narrow, tall patches suit seismic: reflectors run laterally, so a masked patch is

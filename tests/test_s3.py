@@ -112,12 +112,19 @@ def test_bad_s3_input_is_a_clear_error(s3, tmp_path):
 
 
 def test_aligned_crops_and_live_fraction(small_store):
-    s = data.Sampler([small_store], (16, 16, 32), align=True, min_live=1.0)
+    s = data.Sampler([small_store], (16, 16, 32), align=True, min_live=1.0)  # chunks (16, 16, 16)
     vol = s.volumes[0]
     for g in range(50):
         _, origin = s.locate(g)
-        assert all(o % c == 0 for o, c in zip(origin, vol.chunks))
+        assert all(o % c == 0 for o, c in zip(origin, vol.chunks))  # crop >= chunk: on boundaries
         assert vol.live_fraction(origin, s.crop) == 1.0  # the dead corner is never picked
+    s2 = data.Sampler([small_store], (8, 5, 16), align=True)  # crop < chunk: inside one chunk
+    seen = set()
+    for g in range(200):
+        _, o = s2.locate(g)
+        assert all(a // ch == (a + c - 1) // ch for a, c, ch in zip(o, s2.crop, vol.chunks))
+        seen.add(o)
+    assert len(seen) > 100  # and still many different crops
     with pytest.raises(data.DataError, match="live-trace fraction"):
         data.Sampler([small_store], (32, 32, 32), min_live=1.0).locate(0)
 
