@@ -4,7 +4,7 @@ The measured numbers. Each subcommand prints a table, then one JSON line as the 
     python bench.py step config/quickstart.py [--key=value ...]   training-step throughput vs matmul peak
     python bench.py attention [--n=16384] [--ranks=2] [--only=ring] full SDPA vs ring vs torch CP, per rank
     python bench.py gpu-check                                      the ring's CUDA op path, on a GPU
-    python bench.py data [--latency_ms=20] [--crops=24]            our reader vs a plain zarr read; S3 training
+    python bench.py data [--latency_ms=20] [--crops=128]           our reader vs a plain zarr read; S3 training
 
 Speed is shown here, side by side in one run, never asserted in tests: the machine is noisy, ratios
 measured together are what carry over.
@@ -251,6 +251,12 @@ def gpu_check(argv):
     out.update(sdpa_fwd_ms=round(1000 * t_sdpa_f, 2), sdpa_fwdbwd_ms=round(1000 * t_sdpa_fb, 2),
                ring_sim_fwd_ms=round(1000 * t_sim_f, 2), ring_sim_fwdbwd_ms=round(1000 * t_sim_fb, 2),
                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2 ** 30, 2))
+    # and the whole training path on this GPU (NCCL, bf16, DeepSpeed ZeRO-2): the quickstart's steps
+    try:
+        out["quickstart_step"] = bench_step(["config/quickstart.py", "--out_dir=/tmp/gpu_check_run"])
+    except Exception as e:  # report, do not hide the attention results above
+        out["quickstart_step"] = f"FAILED: {type(e).__name__}: {e}"
+        print(f"quickstart step on GPU FAILED: {e}")
     return out
 
 
@@ -302,7 +308,7 @@ def bench_data(argv):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
     from s3_util import MotoS3
 
-    opts = {"latency_ms": 20.0, "crops": 24, "shape": (128, 128, 256), "chunk": 64, "crop": 64, "steps": 60,
+    opts = {"latency_ms": 20.0, "crops": 128, "shape": (128, 128, 512), "chunk": 64, "crop": 64, "steps": 60,
             "levels": (1, 4, 16, 64)}
     import configurator
     configurator.apply(opts, argv)

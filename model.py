@@ -92,13 +92,18 @@ def sincos_1d(pos, dim):
     return torch.cat([torch.sin(angle), torch.cos(angle)], dim=1)
 
 
-def sincos_pos_embed(ids, grid, dim):
-    """Fixed 3D sin-cos embedding of the tokens `ids` (any shape, int64) on `grid`: (*ids.shape, dim), fp32.
+def sincos_pos_embed(ids, grid, dim, dtype=torch.float32):
+    """Fixed 3D sin-cos embedding of the tokens `ids` (any shape, int64) on `grid`: (*ids.shape, dim).
     Row t depends only on t's coordinates, so any subset of tokens can be embedded alone (no L x D table).
-    Computed in float64 so that positions 10^5 apart still get distinct, exact angles."""
-    coords = token_coords(ids.reshape(-1), grid).to(torch.float64)  # (N, 3)
-    parts = [sincos_1d(coords[:, a], d) for a, d in enumerate(axis_split(dim))]  # z, y, x channels
-    return torch.cat(parts, dim=1).to(torch.float32).reshape(*ids.shape, dim)
+    Each axis has a small table (g_a x d_a: at most 128 x 428 numbers), computed in float64 and cast once;
+    the rows are gathered from the three tables by coordinate, directly in `dtype`, so the only large
+    tensor is the output itself (not a float64 intermediate: 12 GB at 1.2 M tokens x 512)."""
+    coords = token_coords(ids.reshape(-1), grid)  # (N, 3) int64
+    parts = []
+    for a, d in enumerate(axis_split(dim)):
+        table = sincos_1d(torch.arange(grid[a], dtype=torch.float64, device=ids.device), d).to(dtype)
+        parts.append(table[coords[:, a]])  # (N, d)
+    return torch.cat(parts, dim=1).reshape(*ids.shape, dim)
 
 
 # -----------------------------------------------------------------------------
@@ -279,7 +284,7 @@ class MAE(nn.Module):
         vis = gather_tokens(patches, ids_keep)  # (B, n, P)
         w = self.patch_embed.weight.view(self.dim, self.P)  # the Conv3d kernel as a Linear
         x = F.linear(vis, w, self.patch_embed.bias)  # (B, n, dim)
-        x = x + sincos_pos_embed(ids_keep + offset, self.grid, self.dim).to(x.dtype)  # global positions
+        x = x + sincos_pos_embed(ids_keep + offset, self.grid, self.dim, x.dtype)  # global positions
         if has_cls:
             cls = self.cls_token.to(x.dtype).expand(B, -1, -1)  # position of cls: zero vector, nothing added
             x = torch.cat([cls, x], dim=1)  # (B, 1 + n, dim)
@@ -301,7 +306,7 @@ class MAE(nn.Module):
         masked = self.mask_token.to(x.dtype).expand(B, L_loc - x.shape[1], -1)  # (B, L_loc - n, dec_dim), a view
         x = gather_tokens(torch.cat([x, masked], dim=1), ids_restore)  # unshuffle -> (B, L_loc, dec_dim)
         ids = torch.arange(offset, offset + L_loc, device=x.device)
-        x = x + sincos_pos_embed(ids, self.grid, self.dec_dim).to(x.dtype)  # (L_loc, dec_dim), broadcast
+        x = x + sincos_pos_embed(ids, self.grid, self.dec_dim, x.dtype)  # (L_loc, dec_dim), broadcast
         x = self.run_blocks(self.decoder_blocks, x)
         return self.decoder_pred(self.decoder_norm(x))  # (B, L_loc, P)
 

@@ -170,7 +170,8 @@ def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
     if (step, tag) in complete_checkpoints(ckpt_dir):
         return  # already saved (a resumed run that had nothing left to do): never rewrite a good one
     # never save non-finite weights: check on every rank, agree on the answer
-    finite = torch.tensor([float(all(torch.isfinite(p).all() for p in engine.module.parameters()))])
+    finite = torch.tensor([float(all(torch.isfinite(p).all() for p in engine.module.parameters()))],
+                          device=next(engine.module.parameters()).device)  # NCCL reduces only CUDA tensors
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if finite.item() < 1:
         raise FloatingPointError(f"weights are non-finite after step {step}: checkpoint {tag} NOT written; "
@@ -296,14 +297,15 @@ def train_step(job, step, batches):
     lr = get_lr(step, job.peak_lr, cfg)
     for group in job.optimizer.param_groups:  # ZeRO wraps this optimizer; its groups stay the ones it steps
         group["lr"] = lr
-    step_loss, wait = torch.zeros(1), 0.0
+    # on the device: NCCL reduces only CUDA tensors
+    step_loss, wait = torch.zeros(1, device=job.device), 0.0
     for micro in range(cfg["grad_accum"]):
         t0 = time.time()
         x, ids = next(batches)  # (micro_batch, 1, crop[0] / cp, crop[1], crop[2]): this rank's slab
         noise = data.mask_noise(cfg["seed"], ids, job.model.L, job.cp_rank, job.cp)  # (micro_batch, L / cp)
         wait += time.time() - t0
         loss, _, _ = engine(x.to(job.device, job.dtype), noise.to(job.device))
-        step_loss += loss.detach().float().cpu() / cfg["grad_accum"]
+        step_loss += loss.detach().float() / cfg["grad_accum"]
         engine.backward(loss * job.cp)  # see the docstring: x cp, then ZeRO averages over the world
         engine.step()  # DeepSpeed steps the optimizer at the last micro step only
     # every rank learns the mean loss: the sum over a CP group is the sample's loss, then mean over dp
