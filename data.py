@@ -240,8 +240,7 @@ def with_retries(fn, opts, what, permanent=(PermissionError, FileNotFoundError, 
     `what` failed. Errors in `permanent` (access denied, not found, bad input) are not retried."""
     for attempt in range(opts.retries + 1):
         try:
-            with zarr.config.set({"async.timeout": opts.timeout_s}):  # a stuck request gives up, then retries
-                return fn()
+            return fn()
         except permanent:
             raise
         except Exception as e:
@@ -264,6 +263,9 @@ class Volume:
 
     def __init__(self, url, opts=None, store=None):
         self.url, self.opts, self.store = url, opts or ReadOptions(), store
+        # a stuck request gives up after timeout_s and is retried. zarr's config is process-wide: set once
+        # here, not per request (a config.set context per chunk costs more than the chunk's own work)
+        zarr.config.set({"async.timeout": self.opts.timeout_s})
         # metadata reads go over the network too: retried like chunks; not-found and denied are final
         with_retries(self._open, self.opts, f"opening {url!r}",
                      permanent=(PermissionError, FileNotFoundError, DataError, zarr.errors.BaseZarrError))

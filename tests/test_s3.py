@@ -152,3 +152,19 @@ def test_training_through_faulty_s3_equals_fault_free(s3, small_store, tmp_path)
         b.close()
     finally:
         proxy.stop()
+
+
+def test_anonymous_access_public_vs_private(s3, small_store):
+    """s3_anon=True sends unsigned requests: a public-read store opens, a private one is 'access denied'."""
+    import os
+    c = s3.client()
+    c.create_bucket(Bucket="public", ACL="public-read")
+    for root, _, files in os.walk(small_store):
+        for f in files:
+            p = os.path.join(root, f)
+            c.upload_file(p, "public", "small.mdio/" + os.path.relpath(p, small_store), ExtraArgs={"ACL": "public-read"})
+    anon = data.ReadOptions(anon=True, endpoint_url=s3.endpoint)
+    pub = data.Volume("s3://public/small.mdio", anon)
+    assert np.array_equal(pub.read((0, 0, 0), (8, 8, 8)), data.Volume(small_store).read((0, 0, 0), (8, 8, 8)))
+    with pytest.raises(data.DataError, match="access denied"):
+        data.Volume(s3.url, anon)
