@@ -70,6 +70,7 @@ weight_decay = 0.05  # AdamW, on weight matrices only (not biases, norms, cls/ma
 beta1, beta2 = 0.9, 0.95
 grad_clip = 1.0  # max global gradient norm; 0 = off
 dtype = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
+strategy = "zero2"  # zero2 (DeepSpeed ZeRO-2) | zero3 (DeepSpeed ZeRO-3) | fsdp2 (PyTorch fully_shard)
 # logging and checkpoints
 log_interval = 10  # steps between log lines
 ckpt_interval = 100  # steps between checkpoints (one is also written at the end)
@@ -132,6 +133,7 @@ def validate(cfg):
                 "prefetch"):
         need(cfg[key] >= 1, f"{key} must be >= 1, got {cfg[key]}")
     need(cfg["dtype"] in ("auto", "float32", "bfloat16"), f"dtype must be auto|float32|bfloat16, got {cfg['dtype']!r}")
+    need(cfg["strategy"] in ("zero2", "zero3", "fsdp2"), f"strategy must be zero2|zero3|fsdp2, got {cfg['strategy']!r}")
     need(len(cfg["data_paths"]) >= 1, "data_paths is empty: list at least one MDIO/Zarr store")
     need(cfg["blr"] > 0 and cfg["min_lr"] >= 0, "blr must be > 0 and min_lr >= 0")
 
@@ -170,7 +172,7 @@ def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
     if (step, tag) in complete_checkpoints(ckpt_dir):
         return  # already saved (a resumed run that had nothing left to do): never rewrite a good one
     # never save non-finite weights: check on every rank, agree on the answer
-    finite = torch.tensor([float(all(torch.isfinite(p).all() for p in engine.module.parameters()))],
+    finite = torch.tensor([float(all(torch.isfinite(p).all() for p in local_params(engine)))],
                           device=next(engine.module.parameters()).device)  # NCCL reduces only CUDA tensors
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if finite.item() < 1:
@@ -182,7 +184,8 @@ def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
     dist.barrier()  # every rank has written its shard
     if rank == 0:
-        meta = {"step": step, "world": dist.get_world_size(), "config": client_state["config"]}
+        meta = {"step": step, "world": dist.get_world_size(), "strategy": client_state["config"]["strategy"],
+                "config": client_state["config"]}
         with open(os.path.join(path, "COMPLETE.tmp"), "w") as f:
             json.dump(meta, f)
         os.replace(os.path.join(path, "COMPLETE.tmp"), os.path.join(path, "COMPLETE"))
@@ -266,20 +269,22 @@ def setup(cfg):
                                                   norm_pix_loss=cfg["norm_pix_loss"], grad_ckpt=cfg["grad_ckpt"],
                                                   mask_strata=cfg["mask_strata"] or cp)
     model.set_context_parallel(job.cp_group, cfg["cp_impl"])
-    # weight decay on weight matrices and the conv kernel only; not on biases, norms, cls/mask tokens
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "token" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "token" not in n)]
-    job.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
-                                       {"params": no_decay, "weight_decay": 0.0}],
-                                      lr=job.peak_lr, betas=(cfg["beta1"], cfg["beta2"]))
+    job.n_params = sum(p.numel() for p in model.parameters())  # before any sharding hides them
+    strategy = cfg["strategy"]
+    if strategy == "fsdp2":
+        job.engine = FSDP2Engine(model, cfg, job.peak_lr, dtype, job.device)
+        job.optimizer = job.engine.optimizer
+        return job
+    job.optimizer = make_optimizer(model, cfg, job.peak_lr)
     ds_config = {
         "train_micro_batch_size_per_gpu": cfg["micro_batch"],
         "gradient_accumulation_steps": cfg["grad_accum"],
         "gradient_clipping": cfg["grad_clip"],
         "bf16": {"enabled": dtype == torch.bfloat16},
         "zero_optimization": {
-            "stage": 2,
             # ZeRO-2: optimizer state and gradients partitioned over all ranks, weights replicated.
+            # ZeRO-3: the weights too, gathered layer by layer for forward and backward.
+            "stage": 2 if strategy == "zero2" else 3,
             # reduce_scatter + contiguous_gradients also keep the gradient all-reduce on for CPU tensors.
             "contiguous_gradients": True, "reduce_scatter": True, "overlap_comm": on_gpu,
         },
@@ -288,6 +293,80 @@ def setup(cfg):
     }
     job.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=job.optimizer, config=ds_config)
     return job
+
+
+def make_optimizer(model, cfg, lr):
+    """AdamW; weight decay on weight matrices and the conv kernel only (not biases, norms, cls/mask tokens)."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "token" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "token" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(cfg["beta1"], cfg["beta2"]))
+
+
+class FSDP2Engine:
+    """PyTorch FSDP2 (fully_shard) behind the few calls of the DeepSpeed engine that this file uses:
+    engine(x, noise), backward(loss), step(), save_checkpoint / load_checkpoint, .module. So the training
+    loop is the same for every strategy, and so are the gradient semantics: FSDP2 reduce-scatters the mean
+    over the whole world, as ZeRO does; backward divides by grad_accum, as DeepSpeed's engine does."""
+
+    def __init__(self, model, cfg, lr, dtype, device):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for blk in list(model.blocks) + list(model.decoder_blocks):  # one all-gather per block
+            fully_shard(blk, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)  # the rest: embeddings, tokens, norms, heads
+        self.module, self.cfg, self.micro = model, cfg, 0
+        self.optimizer = make_optimizer(model, cfg, lr)  # after sharding: it steps the local shards
+
+    def __call__(self, *args):
+        return self.module(*args)
+
+    def backward(self, loss):
+        (loss / self.cfg["grad_accum"]).backward()
+
+    def step(self):
+        self.micro += 1
+        if self.micro % self.cfg["grad_accum"]:
+            return  # gradients accumulate until the last micro step
+        if self.cfg["grad_clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg["grad_clip"])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _state(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        msd, osd = get_state_dict(self.module, self.optimizer)
+        return {"model": msd, "optim": osd}
+
+    def save_checkpoint(self, ckpt_dir, tag, client_state):
+        import torch.distributed.checkpoint as dcp
+        path = os.path.join(ckpt_dir, tag)
+        dcp.save(self._state(), checkpoint_id=path)  # every rank writes its shards
+        if torch.distributed.get_rank() == 0:
+            torch.save(client_state, os.path.join(path, "client_state.pt"))
+
+    def load_checkpoint(self, ckpt_dir, tag):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        path = os.path.join(ckpt_dir, tag)
+        state = self._state()
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return path, torch.load(os.path.join(path, "client_state.pt"), weights_only=False)
+
+
+def local_params(engine):
+    """This rank's own values of the weights, under any strategy: ZeRO-3 keeps them in p.ds_tensor (p itself
+    is an empty placeholder between uses), FSDP2 in DTensor shards."""
+    for p in engine.module.parameters():
+        if hasattr(p, "ds_tensor"):
+            yield p.ds_tensor
+        elif hasattr(p, "to_local"):
+            yield p.to_local()
+        else:
+            yield p
 
 
 def train_step(job, step, batches):
@@ -319,7 +398,7 @@ def main(argv):
     validate(cfg)
     job = setup(cfg)
     engine, model, log, rank, world = job.engine, job.model, job.log, job.rank, job.world
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = job.n_params
     flops_per_sample = model.flops_per_sample()
     log(f"model {cfg['model_size']}: {n_params / 1e6:.2f} M params | grid {job.grid} = {model.L} tokens, "
         f"{model.n_keep()} visible (mask ratio {1 - model.n_keep() / model.L:.4f} realised, {cfg['mask_ratio']} asked) | "
@@ -339,7 +418,7 @@ def main(argv):
             log(f"run already complete: {ckpt_dir}/{tag} is at step {meta['step']} of max_steps "
                 f"{cfg['max_steps']}; raise --max_steps to go on")
             return 0
-        for key in ("model_size", "patch", "seed"):
+        for key in ("model_size", "patch", "seed", "strategy"):
             if meta["config"][key] != json.loads(json.dumps(cfg[key])):  # tuples come back as lists
                 raise configurator.ConfigError(
                     f"checkpoint {ckpt_dir}/{tag} was trained with {key}={meta['config'][key]!r}, this run has "

@@ -23,6 +23,10 @@ def test_conv3d_embedding_equals_linear_on_patchify_in_grid_order():
     ref = conv(x.double()).flatten(2).transpose(1, 2)  # (B, L, D), Conv3d's own token order
     lin = F.linear(M.patchify(x.double(), patch), conv.weight.view(7, -1), conv.bias)
     torch.testing.assert_close(lin, ref, rtol=1e-12, atol=1e-12)
+    # the model's PatchEmbed is that Conv3d, applied to cut-out patches
+    pe = M.PatchEmbed(1, 7, kernel_size=patch, stride=patch).double()
+    pe.load_state_dict(conv.state_dict())
+    torch.testing.assert_close(pe(M.patchify(x.double(), patch)), ref, rtol=1e-12, atol=1e-12)
     # token t of that order sits at token_coords(t): check against the conv output grid directly
     out = conv(x.double())  # (B, D, gz, gy, gx)
     for t in [0, 1, 7, 29]:
