@@ -5,6 +5,7 @@ The measured numbers. Each subcommand prints a table, then one JSON line as the 
     python bench.py attention [--n=16384] [--ranks=2] [--only=ring] full SDPA vs ring vs torch CP, per rank
     python bench.py gpu-check                                      the ring's CUDA op path, on a GPU
     python bench.py data [--latency_ms=20] [--crops=128]           our reader vs a plain zarr read; S3 training
+    python bench.py plan CONFIG [--key=value ...]                  will it fit and how fast: the analytic planner
 
 Speed is shown here, side by side in one run, never asserted in tests: the machine is noisy, ratios
 measured together are what carry over.
@@ -401,8 +402,185 @@ def bench_data(argv):
     return out
 
 
+# -----------------------------------------------------------------------------
+# plan: an analytic model of one training step on a GPU cluster. Memory per GPU under each strategy,
+# activations with and without checkpointing, FLOPs, ring traffic, S3 bandwidth, predicted samples/s.
+# Its FLOP and activation terms are checked against measurements on small configs (calibrate()).
+
+GPUS = {  # dense bf16 FLOP/s, memory, NVLink per direction, network per node (bytes/s)
+    "H200": {"flops": 989e12, "mem_gb": 141, "nvlink": 450e9, "net_node": 3200e9 / 8},
+    "H100": {"flops": 989e12, "mem_gb": 80, "nvlink": 450e9, "net_node": 3200e9 / 8},
+}
+BLOCK_SAVED = 17  # activations saved per token per block, in units of width C (see activation_bytes)
+
+
+def activation_bytes(m, micro_batch, cp, elem, ckpt):
+    """(persistent, transient) bytes of activations on one rank for a model `m` (model.MAE) whose tokens are
+    split over cp ranks; elem = bytes per activation element (2 for bf16).
+    persistent: what autograd keeps from forward to backward. A pre-norm block on N tokens of width C saves,
+      per token: LayerNorm inputs (2C), qkv input (C), q, k, v (3C) and output (C) of the fused attention
+      (+ its fp32 log-sum-exp, 4H bytes), proj input (C), fc1 input (C), GELU input (4C), fc2 input (4C) =
+      17C. With checkpointing only each block's input (C) stays. Around the blocks: the visible patches, the
+      inputs of the final norms, decoder_embed and the head, gather indices; the loss keeps one fp32 P-wide
+      difference per decoder token.
+    transient: the largest short-lived working set on top: with checkpointing one block recomputed in
+      backward (17C per token); the head's predictions (elem + fp32 copy), fp32 targets and squared errors;
+      the input slab in fp32 and in the compute dtype, and its patchified copy."""
+    ne, nd = (m.n_keep() + 1) / cp, m.L / cp
+    persistent, recompute = 0.0, 0.0
+    for blocks, N, C in ((m.blocks, ne, m.dim), (m.decoder_blocks, nd, m.dec_dim)):
+        if not len(blocks):
+            continue
+        per_block = BLOCK_SAVED * C * N * elem + 4 * blocks[0].heads * N
+        persistent += len(blocks) * (C * N * elem if ckpt else per_block)
+        recompute = max(recompute, per_block if ckpt else 0.0)
+    persistent += nd * m.P * 4
+    # around the blocks: visible patches (patch_embed input), final norm and decoder_embed inputs, decoder norm
+    # and head inputs, and the int64 gather indices
+    persistent += (ne * (m.P + 2 * m.dim) + nd * 2 * m.dec_dim) * elem + (ne + nd) * 8
+    transient = recompute + nd * m.P * (elem + 4 + 4 + 4) + nd * m.P * (4 + 2 * elem)
+    return micro_batch * persistent, micro_batch * transient
+
+
+def plan(cfg, world, gpu="H200", mfu=0.4):
+    """The analytic plan of config `cfg` (train.py's keys) on `world` GPUs of kind `gpu`."""
+    import math as _m
+
+    import torch as _t
+
+    from model import MODELS
+    g = GPUS[gpu]
+    grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
+    cp = cfg["cp"]
+    with _t.device("meta"):
+        m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
+                                      mask_strata=cfg["mask_strata"] or cp)
+    P = sum(p.numel() for p in m.parameters())
+    block_params = max(sum(p.numel() for p in b.parameters()) for b in list(m.blocks) + list(m.decoder_blocks))
+    W = world
+    # weights, gradients, optimizer state per GPU (bf16 weights and grads, fp32 master + Adam m, v)
+    states = {
+        "zero2": 2 * P + (2 + 4 + 8) * P / W + 2 * 5e8 * 2,  # + reduce/all-gather buckets (DeepSpeed default 5e8)
+        "zero3": (2 + 2 + 4 + 8) * P / W + 2 * 2 * block_params + 2 * 5e7 * 2,  # + gathered layers, prefetch
+        "fsdp2": (4 + 4 + 8) * P / W + 2 * 2 * block_params,  # fp32 shards + grads + Adam; 2 gathered blocks
+    }
+    elem = 2
+    act = sum(activation_bytes(m, cfg["micro_batch"], cp, elem, cfg["grad_ckpt"]))  # peak: both at once
+    act_other = sum(activation_bytes(m, cfg["micro_batch"], cp, elem, not cfg["grad_ckpt"]))
+    workspace = 3e9  # CUDA context, cuBLAS/flash workspaces, allocator slack
+    ring = 0.0
+    if cp > 1:  # the ring holds a second K/V block in flight, and fp32 dk/dv accumulators in backward
+        ring = max(4 * N * C * elem + 2 * 2 * N * C * 4 for N, C in (((m.n_keep() + 1) / cp, m.dim), (m.L / cp, m.dec_dim)))
+    mem = {k: (v + act + ring + workspace) / 1e9 for k, v in states.items()}
+    fps = m.flops_per_sample()
+    sps = W * g["flops"] * mfu / fps
+    # ring traffic per step per rank (all layers, fwd + bwd) and whether compute hides one hop
+    ring_bytes, hidden = 0.0, True
+    for blocks, N, C in ((m.blocks, (m.n_keep() + 1) / cp, m.dim), (m.decoder_blocks, m.L / cp, m.dec_dim)):
+        if cp > 1:
+            per_layer = (cp - 1) * (2 * N * C * elem) * 2 + (cp - 1) * (2 * N * C * 4)  # K/V fwd + bwd, dK/dV fp32
+            ring_bytes += len(blocks) * per_layer * cfg["micro_batch"]
+            hop_comm = 2 * N * C * elem / g["nvlink"]
+            hop_compute = 4 * N * N * C / (g["flops"] * mfu)
+            hidden = hidden and hop_comm <= hop_compute
+    voxels = _m.prod(cfg["crop"])
+    s3_node = sps / (W / cfg.get("gpus_per_node", 8)) * voxels * 4 / (cp if False else 1)  # float32 per sample
+    strategy = cfg["strategy"]
+    fits = mem[strategy] <= 0.92 * g["mem_gb"]
+    return {"gpu": gpu, "world": W, "dp": W // cp, "cp": cp, "params": P, "tokens": m.L, "visible": m.n_keep(),
+            "enc_tokens_per_rank": (m.n_keep() + 1) / cp, "dec_tokens_per_rank": m.L / cp,
+            "flops_per_sample": fps, "mfu": mfu, "samples_per_s": sps,
+            "mem_per_gpu_gb": round(mem[strategy], 2), "mem_by_strategy_gb": {k: round(v, 2) for k, v in mem.items()},
+            "states_gb": {k: round(v / 1e9, 2) for k, v in states.items()},
+            "activations_gb": round(act / 1e9, 2), "activations_other_ckpt_gb": round(act_other / 1e9, 2),
+            "ring_gb_per_step_per_rank": round(ring_bytes / 1e9, 2), "ring_hidden_by_compute": hidden,
+            "s3_gb_per_s_per_node": round(s3_node / 1e9, 3), "strategy": strategy, "grad_ckpt": cfg["grad_ckpt"],
+            "fits": bool(fits), "limit_gb": round(0.92 * g["mem_gb"], 1)}
+
+
+def calibrate():
+    """The planner's FLOP and activation terms against measurements on small configs, on this machine (fp32):
+    FLOPs counted by torch's FlopCounterMode over forward + backward (attention through the math kernel, whose
+    matmuls it can see: it does not count the CPU flash kernel); persistent activations as the bytes of the
+    tensors autograd saves during forward (saved_tensors_hooks, each storage once, parameters excluded).
+    Returns the table rows and the worst relative error."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import model as M
+    rows, worst = [], 0.0
+    for name, kw in (("tiny 4x4x8", dict(grid=(4, 4, 8), patch=(4, 4, 4))),
+                     ("tiny 8x8x8", dict(grid=(8, 8, 8), patch=(2, 2, 16))),
+                     ("small 4x8x8", dict(grid=(4, 8, 8), patch=(4, 4, 4)))):
+        size = name.split()[0]
+        for ckpt in (False, True):
+            torch.manual_seed(0)
+            m = M.MODELS[size](grid=kw["grid"], patch=kw["patch"], grad_ckpt=ckpt)
+            x = torch.randn(2, 1, *(g * p for g, p in zip(kw["grid"], kw["patch"])))
+            params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+            seen, saved = set(), [0]
+
+            def pack(t):
+                st = t.untyped_storage()
+                if st.data_ptr() not in params and st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    saved[0] += st.nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss, _, _ = m(x)
+            act_measured = saved[0]
+            loss.backward()
+            act_model = activation_bytes(m, 2, 1, 4, ckpt)[0]
+            if not ckpt:
+                with FlopCounterMode(display=False) as fc, sdpa_kernel(SDPBackend.MATH):
+                    m(x)[0].backward()
+                flops_measured = fc.get_total_flops() / 2  # per sample (batch 2)
+                e = flops_measured / m.flops_per_sample() - 1
+                worst = max(worst, abs(e))
+                rows.append([name, "FLOPs/sample", f"{m.flops_per_sample():.3g}", f"{flops_measured:.3g}", f"{100 * e:+.1f}%"])
+            e = act_measured / act_model - 1
+            worst = max(worst, abs(e))
+            rows.append([name, f"activations{' (ckpt)' if ckpt else ''}", f"{act_model / 2 ** 20:.2f} MiB",
+                         f"{act_measured / 2 ** 20:.2f} MiB", f"{100 * e:+.1f}%"])
+    return rows, worst
+
+
+def bench_plan(argv):
+    import configurator
+    import train
+    cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+    extra = {"gpu": "H200", "mfu": 0.4}
+    args = [a for a in argv if not any(a.startswith(f"--{k}=") for k in extra)]
+    configurator.apply(extra, [a for a in argv if a not in args])
+    configurator.apply(cfg, args)
+    train.validate(cfg)
+    world = cfg["nodes"] * (cfg["gpus_per_node"] or 8)
+    p = plan(cfg, world, extra["gpu"], extra["mfu"])
+    print(f"{argv[0] if argv else 'defaults'} on {cfg['nodes']} x {cfg['gpus_per_node'] or 8} {p['gpu']} = {world} GPUs "
+          f"(dp {p['dp']} x cp {p['cp']}), {p['strategy']}, grad_ckpt={p['grad_ckpt']}")
+    rows = [["params", f"{p['params'] / 1e6:.1f} M"], ["tokens / visible", f"{p['tokens']:,} / {p['visible']:,}"],
+            ["encoder / decoder tokens per rank", f"{p['enc_tokens_per_rank']:,.0f} / {p['dec_tokens_per_rank']:,.0f}"],
+            ["FLOPs per sample (fwd+bwd)", f"{p['flops_per_sample'] / 1e12:.1f} TFLOP"]]
+    for k in ("zero2", "zero3", "fsdp2"):
+        rows.append([f"memory per GPU, {k}", f"{p['mem_by_strategy_gb'][k]:.1f} GB (states {p['states_gb'][k]:.1f})"])
+    rows += [["activations per GPU", f"{p['activations_gb']:.1f} GB (with grad_ckpt={not p['grad_ckpt']}: "
+                                     f"{p['activations_other_ckpt_gb']:.1f} GB)"],
+             ["ring traffic per step per rank", f"{p['ring_gb_per_step_per_rank']:.1f} GB, "
+                                               f"{'hidden' if p['ring_hidden_by_compute'] else 'NOT hidden'} by compute"],
+             [f"predicted samples/s at {100 * p['mfu']:.0f}% MFU", f"{p['samples_per_s']:.2f}"],
+             ["S3 read per node at that rate", f"{p['s3_gb_per_s_per_node']:.2f} GB/s (float32, uncompressed)"],
+             ["fits", f"{'yes' if p['fits'] else 'NO'}: {p['mem_per_gpu_gb']:.1f} GB of {p['limit_gb']} GB usable"]]
+    table(rows, ["quantity", "value"])
+    crow, worst = calibrate()
+    print("\nplanner terms vs measurements on small configs (fp32, this machine):")
+    table(crow, ["config", "term", "planner", "measured", "error"])
+    p["calibration_worst_rel_err"] = round(worst, 4)
+    return p
+
+
 if __name__ == "__main__":
-    cmds = {"step": bench_step, "attention": bench_attention, "gpu-check": gpu_check, "data": bench_data}
+    cmds = {"plan": bench_plan, "step": bench_step, "attention": bench_attention, "gpu-check": gpu_check, "data": bench_data}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(f"usage: python bench.py {{{'|'.join(cmds)}}} [CONFIG] [--key=value ...]", file=sys.stderr)
         sys.exit(2)

@@ -381,5 +381,8 @@ def mae_small(**kw): return MAE(dim=384, depth=12, heads=6, dec_dim=256, dec_dep
 def mae_base(**kw):  return MAE(dim=768, depth=12, heads=12, dec_dim=512, dec_depth=8, dec_heads=16, **kw)
 def mae_large(**kw): return MAE(dim=1024, depth=24, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)
 def mae_huge(**kw):  return MAE(dim=1280, depth=32, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)
+def mae_giant(**kw): return MAE(dim=1408, depth=40, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)  # ViT-g
+def mae_G(**kw):     return MAE(dim=1664, depth=48, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)  # ViT-G
 
-MODELS = {"tiny": mae_tiny, "small": mae_small, "base": mae_base, "large": mae_large, "huge": mae_huge}
+MODELS = {"tiny": mae_tiny, "small": mae_small, "base": mae_base, "large": mae_large, "huge": mae_huge,
+          "giant": mae_giant, "G": mae_G}

@@ -79,6 +79,10 @@ resume = True  # continue from the newest complete checkpoint in out_dir, if any
 stop_step = 0  # > 0: stop after this step as if interrupted (checkpoint, exit); tests use it
 seed = 0  # data, mask and init randomness
 gpu_peak_flops = 989e12  # dense bf16 FLOP/s of one GPU for MFU (H100/H200 SXM)
+# the cluster (launch.sh and the planner read these)
+nodes = 1  # nodes the job runs on
+gpus_per_node = 0  # ranks per node; 0 = every GPU of the machine (or NPROC / 2 CPU ranks without GPU)
+dry_run = False  # validate and plan for nodes x gpus_per_node, print, exit (DRY_RUN=1 bash launch.sh ...)
 
 CONFIG_KEYS = [k for k, v in list(globals().items())
                if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple, list))]
