@@ -442,7 +442,7 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt):
     return micro_batch * persistent, micro_batch * transient
 
 
-def plan(cfg, world, gpu="H200", mfu=0.4):
+def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     """The analytic plan of config `cfg` (train.py's keys) on `world` GPUs of kind `gpu`."""
     import math as _m
 
@@ -484,7 +484,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4):
             hop_compute = 4 * N * N * C / (g["flops"] * mfu)
             hidden = hidden and hop_comm <= hop_compute
     voxels = _m.prod(cfg["crop"])
-    s3_node = sps / (W / cfg.get("gpus_per_node", 8)) * voxels * 4 / (cp if False else 1)  # float32 per sample
+    s3_node = sps / max(1, W // gpus_per_node) * voxels * 4  # float32 voxels of every sample, per node
     strategy = cfg["strategy"]
     fits = mem[strategy] <= 0.92 * g["mem_gb"]
     return {"gpu": gpu, "world": W, "dp": W // cp, "cp": cp, "params": P, "tokens": m.L, "visible": m.n_keep(),
@@ -556,7 +556,7 @@ def bench_plan(argv):
     configurator.apply(cfg, args)
     train.validate(cfg)
     world = cfg["nodes"] * (cfg["gpus_per_node"] or 8)
-    p = plan(cfg, world, extra["gpu"], extra["mfu"])
+    p = plan(cfg, world, extra["gpu"], extra["mfu"], cfg["gpus_per_node"] or 8)
     print(f"{argv[0] if argv else 'defaults'} on {cfg['nodes']} x {cfg['gpus_per_node'] or 8} {p['gpu']} = {world} GPUs "
           f"(dp {p['dp']} x cp {p['cp']}), {p['strategy']}, grad_ckpt={p['grad_ckpt']}")
     rows = [["params", f"{p['params'] / 1e6:.1f} M"], ["tokens / visible", f"{p['tokens']:,} / {p['visible']:,}"],

@@ -186,6 +186,11 @@ def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
         shutil.rmtree(path)  # a leftover of a write that died before it completed
     dist.barrier()
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
+    # fault injection for the tests: MAE_FAULT=die_in_checkpoint:STEP:RANK kills that rank mid-checkpoint, after
+    # its shard is written but before the checkpoint is marked complete (as a node lost mid-write would)
+    fault = os.environ.get("MAE_FAULT", "").split(":")
+    if fault[0] == "die_in_checkpoint" and int(fault[1]) == step and int(fault[2]) == rank:
+        os._exit(17)
     dist.barrier()  # every rank has written its shard
     if rank == 0:
         meta = {"step": step, "world": dist.get_world_size(), "strategy": client_state["config"]["strategy"],
@@ -396,10 +401,46 @@ def train_step(job, step, batches):
     return step_loss / job.dp_size, lr, wait
 
 
+def check_launch(cfg):
+    """DRY_RUN=1 bash launch.sh ...: every check that needs neither GPUs nor data, for the configured cluster
+    of nodes x gpus_per_node, and the planner's verdict on memory. Prints a LAUNCH line that launch.sh reads."""
+    import bench
+    gpn = cfg["gpus_per_node"] or torch.cuda.device_count() or int(os.environ.get("NPROC", "2"))
+    world, cp = cfg["nodes"] * gpn, cfg["cp"]
+    print(f"LAUNCH nodes={cfg['nodes']} gpus_per_node={gpn} world={world}")
+    allocated = os.environ.get("SLURM_JOB_NUM_NODES")
+    if allocated and cfg["nodes"] > int(allocated):
+        raise configurator.ConfigError(f"the config asks for nodes={cfg['nodes']} but this SLURM allocation has "
+                                       f"{allocated}: allocate more nodes, or set --nodes={allocated}")
+    if world % cp:
+        raise configurator.ConfigError(f"world size {world} = {cfg['nodes']} nodes x {gpn} is not divisible by cp={cp}")
+    if cp > gpn:
+        print(f"warning: cp={cp} spans more than one node ({gpn} GPUs each): the ring would cross the network")
+    dp = world // cp
+    gb = cfg["micro_batch"] * cfg["grad_accum"] * dp
+    print(f"cluster: {cfg['nodes']} nodes x {gpn} ranks = world {world} = dp {dp} x cp {cp}")
+    print(f"batch: micro_batch {cfg['micro_batch']} x grad_accum {cfg['grad_accum']} x dp {dp} = global batch {gb}; "
+          f"lr = {cfg['blr']} x {gb} / 256 = {cfg['blr'] * gb / 256:.3g}")
+    p = bench.plan(cfg, world, "H200", gpus_per_node=gpn)
+    print(f"plan (H200): {p['params'] / 1e6:.1f} M params, {p['tokens']:,} tokens ({p['visible']:,} visible), "
+          f"{p['flops_per_sample'] / 1e12:,.1f} TFLOP per sample, ~{p['samples_per_s']:.2f} samples/s at 40 % MFU")
+    print(f"memory per GPU ({cfg['strategy']}, grad_ckpt={cfg['grad_ckpt']}): {p['mem_per_gpu_gb']:.1f} GB of "
+          f"{p['limit_gb']} GB usable (activations {p['activations_gb']:.1f} GB) -> "
+          f"{'fits' if p['fits'] else 'DOES NOT FIT'}")
+    if not p["fits"] and (torch.cuda.is_available() or os.environ.get("DRY_RUN") == "1"):
+        raise configurator.ConfigError(
+            f"does not fit in GPU memory: the planner needs {p['mem_per_gpu_gb']:.1f} GB per GPU under "
+            f"{cfg['strategy']} (activations {p['activations_gb']:.1f} GB; by strategy {p['mem_by_strategy_gb']}) and "
+            f"{p['limit_gb']} GB is usable: turn on grad_ckpt, raise cp, lower micro_batch or the model size")
+    return 0
+
+
 def main(argv):
     cfg = {k: globals()[k] for k in CONFIG_KEYS}
     configurator.apply(cfg, argv)
     validate(cfg)
+    if cfg["dry_run"]:
+        return check_launch(cfg)
     job = setup(cfg)
     engine, model, log, rank, world = job.engine, job.model, job.log, job.rank, job.world
     n_params = job.n_params
