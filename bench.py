@@ -6,6 +6,7 @@ The measured numbers. Each subcommand prints a table, then one JSON line as the 
     python bench.py gpu-check                                      the ring's CUDA op path, on a GPU
     python bench.py data [--latency_ms=20] [--crops=128]           our reader vs a plain zarr read; S3 training
     python bench.py plan CONFIG [--key=value ...]                  will it fit and how fast: the analytic planner
+    python bench.py strategies CONFIG [--key=value ...]            zero2 vs zero3 vs fsdp2 on 2 ranks here
 
 Speed is shown here, side by side in one run, never asserted in tests: the machine is noisy, ratios
 measured together are what carry over.
@@ -579,8 +580,50 @@ def bench_plan(argv):
     return p
 
 
+# -----------------------------------------------------------------------------
+# strategies: the same config under zero2, zero3 and fsdp2 as real 2-rank jobs on this machine, beside the
+# published figures on 128 H200 (ZeRO-2 1,974, FSDP2 1,833, ZeRO-3 869 samples/s).
+
+PUBLISHED = {"zero2": 1974, "fsdp2": 1833, "zero3": 869}
+
+
+def bench_strategies(argv, steps=40, warmup=10):
+    import statistics
+    import subprocess
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    res = {}
+    with tempfile.TemporaryDirectory() as d:
+        for strategy in ("zero2", "fsdp2", "zero3"):
+            out = os.path.join(d, strategy)
+            r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                os.path.join(here, "train.py"), *argv, f"--strategy={strategy}", f"--out_dir={out}",
+                                f"--max_steps={steps}", f"--ckpt_interval={10 ** 6}", "--log_interval=1000"],
+                               env=env, capture_output=True, text=True, cwd=here)
+            if r.returncode != 0:
+                print(r.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"{strategy} failed")
+            log = [json.loads(x) for x in open(os.path.join(out, "log.jsonl"))]
+            gb = int(r.stdout.split("global batch ")[1].split()[0])
+            step_s = statistics.median(x["step_s"] for x in log[warmup:])
+            res[strategy] = {"samples_per_s": gb / step_s, "ms_per_step": 1000 * step_s, "final_loss": log[-1]["loss"]}
+    rows = []
+    for k in ("zero2", "fsdp2", "zero3"):
+        rows.append([k, f"{res[k]['ms_per_step']:.1f}", f"{res[k]['samples_per_s']:.2f}",
+                     f"{res[k]['samples_per_s'] / res['zero2']['samples_per_s']:.3f}", PUBLISHED[k],
+                     f"{PUBLISHED[k] / PUBLISHED['zero2']:.3f}", f"{res[k]['final_loss']:.6f}"])
+    print(f"{argv[0] if argv else 'defaults'}: 2 CPU ranks (gloo, 1 thread each), median of steps {warmup}..{steps - 1}; "
+          f"published: 128 H200, their model and crops")
+    table(rows, ["strategy", "ms/step", "samples/s", "vs zero2", "published samples/s", "published vs zero2",
+                 "loss at last step"])
+    return {"bench": "strategies", "config": argv[0] if argv else None,
+            **{f"{k}_samples_per_s": round(v["samples_per_s"], 3) for k, v in res.items()},
+            **{f"{k}_final_loss": v["final_loss"] for k, v in res.items()}}
+
+
 if __name__ == "__main__":
-    cmds = {"plan": bench_plan, "step": bench_step, "attention": bench_attention, "gpu-check": gpu_check, "data": bench_data}
+    cmds = {"strategies": bench_strategies, "plan": bench_plan, "step": bench_step, "attention": bench_attention, "gpu-check": gpu_check, "data": bench_data}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(f"usage: python bench.py {{{'|'.join(cmds)}}} [CONFIG] [--key=value ...]", file=sys.stderr)
         sys.exit(2)
