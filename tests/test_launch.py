@@ -10,7 +10,8 @@ from conftest import ROOT, job_env, read_log, small_args
 
 
 def launch(args, timeout=600, **env):
-    e = job_env(PATH=os.path.dirname(__import__("sys").executable) + os.pathsep + os.environ["PATH"], **env)
+    path = os.path.dirname(__import__("sys").executable) + os.pathsep + os.environ["PATH"]
+    e = job_env(**{"PATH": path, **env})
     return subprocess.run(["bash", "launch.sh", *args], cwd=ROOT, env=e, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -96,3 +97,26 @@ def test_death_during_checkpoint_write_leaves_the_previous_one_loadable(small_st
     assert again.returncode == 0, again.stderr[-3000:]
     assert "(step 2)" in again.stdout  # resumed from the last complete checkpoint
     assert [s for s, _ in train.complete_checkpoints(str(tmp_path / "ckpt"))] == [4, 6]
+
+
+def test_slurm_mode_end_to_end_with_stand_in_slurm_commands(small_store, tmp_path):
+    """No SLURM here: tests/slurm_shim has stand-ins for sbatch, srun and scontrol that run every 'node' on
+    this machine with the variables SLURM would set. launch.sh goes the whole way: sbatch for the config's
+    node count, srun one task per node inside the allocation, head computed in the step, torchrun per node."""
+    shim = os.path.join(ROOT, "tests", "slurm_shim")
+    common = small_args(small_store, tmp_path / "x", max_steps=6, cp=2)
+    r = launch(["config/quickstart.py", *common, f"--out_dir={tmp_path / 'slurm'}", "--make_synthetic=False",
+                "--nodes=2"], NPROC="2", LOG_DIR=str(tmp_path / "logs"), PORT="29641",
+               PATH=shim + os.pathsep + os.path.dirname(__import__("sys").executable) + os.pathsep + os.environ["PATH"])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Submitted batch job" in r.stdout
+    logs = sorted(os.listdir(tmp_path / "logs"))
+    assert "node_0.log" in logs and "node_1.log" in logs, logs
+    assert "node 1 of 2, head 127.0.0.1:29641" in (tmp_path / "logs" / "node_1.log").read_text()
+    one = launch(["config/quickstart.py", *common, f"--out_dir={tmp_path / 'one'}", "--make_synthetic=False"],
+                 NPROC="4")
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = read_log(tmp_path / "one"), read_log(tmp_path / "slurm")
+    assert len(a) == len(b) == 6
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (a, b)
