@@ -17,7 +17,10 @@
 # THREADS (CPU threads per rank), PYTHON (interpreter; default python3 on PATH), PORT (rendezvous, 29500),
 # LOG_DIR (per-node logs, default logs/).
 set -euo pipefail
-cd "$(dirname "$0")"
+# the repository: under sbatch, $0 is a copy in slurmd's spool directory, so the submitting call passes the
+# real location down in LAUNCH_ROOT
+ROOT=${LAUNCH_ROOT:-$(cd "$(dirname "$0")" && pwd)}
+cd "$ROOT"
 
 if [ $# -lt 1 ]; then
   echo "usage: bash launch.sh CONFIG [--key=value ...]   e.g. bash launch.sh config/quickstart.py" >&2
@@ -56,6 +59,7 @@ fi
 # ---- environment for multi-node GPU jobs (AWS P5 / EFA), each with its reason. NCCL_ALGO and NCCL_PROTO are
 # deliberately not set: NCCL's tuner picks them per message size and topology better than a fixed choice.
 gpu_env() {
+  unset DS_ACCELERATOR OMP_NUM_THREADS MKL_NUM_THREADS  # a CPU login node's settings must not follow the job
   export FI_PROVIDER=efa                     # libfabric over the EFA NICs (3200 Gbps per P5 node)
   export FI_EFA_USE_HUGE_PAGE=0              # avoid hugepage exhaustion with many processes per node
   export FI_EFA_SET_CUDA_SYNC_MEMOPS=0       # the aws-ofi-nccl plugin handles CUDA memory ordering itself
@@ -114,8 +118,9 @@ case "$MODE" in
   slurm)
     if [ -z "${SLURM_JOB_ID:-}" ]; then  # not in an allocation yet: submit this script for the config's nodes
       mkdir -p "$LOG_DIR"
-      exec sbatch --job-name=seismic-mae --nodes="$NODES" --ntasks-per-node=1 --exclusive \
-        --output="$LOG_DIR/%x_%j.out" --export=ALL,MODE=slurm "$0" "$@"
+      exec sbatch --job-name=seismic-mae --nodes="$NODES" --ntasks-per-node=1 --gpus-per-node="$NPROC" --exclusive \
+        --chdir="$ROOT" --output="$LOG_DIR/%x_%j.out" --export=ALL,MODE=slurm,LAUNCH_ROOT="$ROOT" \
+        "$ROOT/launch.sh" "$@"
     fi
     if [ "${SLURM_JOB_NUM_NODES:-1}" -lt "$NODES" ]; then
       echo "error: the config asks for $NODES nodes but this allocation has ${SLURM_JOB_NUM_NODES}" >&2
@@ -125,12 +130,15 @@ case "$MODE" in
     if [ -d /opt/sagemaker_cluster ]; then AUTO_RESUME="--auto-resume=1"; fi  # HyperPod replaces bad nodes
     mkdir -p "$LOG_DIR"
     # one step, one task per node; each node's output in its own log (%t = node index within the step)
-    exec srun $AUTO_RESUME --nodes="$NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
-      --output="$LOG_DIR/node_%t.log" --export=ALL,MODE=node bash "$0" "$@"
+    # --cpu-bind=none: the one task per node starts 8 ranks, which must not share the task's single core
+    exec srun $AUTO_RESUME --nodes="$NODES" --ntasks-per-node=1 --gpus-per-node="$NPROC" --cpu-bind=none \
+      --kill-on-bad-exit=1 --output="$LOG_DIR/node_%t.log" --export=ALL,MODE=node,LAUNCH_ROOT="$ROOT" \
+      bash "$ROOT/launch.sh" "$@"
     ;;
   node)
     if [ -z "${HEAD:-}" ]; then  # under SLURM: the head is the first host of the (possibly replaced) node list
-      HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+      # (sed, not head: head would close the pipe early, and under pipefail scontrol's SIGPIPE kills the step)
+      HEAD=$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | sed -n 1p)
     fi
     echo "launch.sh: node ${SLURM_NODEID:-${NODE_RANK:-?}} of $NODES, head $HEAD:$PORT, $NPROC rank(s)" >&2
     eval "exec $(node_cmd "$HEAD" "$@")"
@@ -152,17 +160,21 @@ case "$MODE" in
       if [ "$host" = "127.0.0.1" ] || [ "$host" = "localhost" ]; then
         setsid bash -c "$cmd" > "$LOG_DIR/node_$i.log" 2>&1 &
       else
-        setsid ssh -o BatchMode=yes "$host" "$cmd" > "$LOG_DIR/node_$i.log" 2>&1 &
+        # -tt: closing this ssh hangs up the remote shell, so a stopped node does not leave its ranks running
+        setsid ssh -tt -o BatchMode=yes "$host" "$cmd" > "$LOG_DIR/node_$i.log" 2>&1 &
       fi
       pids+=($!)
     done
-    # the job fails as soon as one node fails: stop the others rather than let them wait in a collective
+    # the job fails as soon as one node fails: stop the others rather than let them wait in a collective.
+    # Poll (portable to old bash): every node that has ended is reaped with `wait PID` for its exit status.
     rc=0
-    while [ "${#pids[@]}" -gt 0 ]; do
-      if wait -n "${pids[@]}"; then :; else rc=$?; break; fi
+    while [ "${#pids[@]}" -gt 0 ] && [ "$rc" -eq 0 ]; do
       alive=()
-      for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive+=("$p"); done
-      pids=("${alive[@]}")
+      for p in "${pids[@]}"; do
+        if kill -0 "$p" 2>/dev/null; then alive+=("$p"); else wait "$p" || rc=$?; fi
+      done
+      pids=("${alive[@]+"${alive[@]}"}")
+      [ "$rc" -eq 0 ] && [ "${#pids[@]}" -gt 0 ] && sleep 1
     done
     if [ "$rc" -ne 0 ]; then
       echo "error: a node failed (exit $rc); stopping the others. Per-node logs: $LOG_DIR/node_*.log" >&2

@@ -226,6 +226,8 @@ def setup(cfg):
     job.on_gpu = on_gpu = torch.cuda.is_available()
     if not on_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede `import deepspeed`
+    elif os.environ.get("DS_ACCELERATOR") == "cpu":
+        del os.environ["DS_ACCELERATOR"]  # inherited from a CPU machine (a login node): wrong here
     import deepspeed
     import torch.distributed as dist
 
@@ -290,6 +292,7 @@ def setup(cfg):
         "gradient_accumulation_steps": cfg["grad_accum"],
         "gradient_clipping": cfg["grad_clip"],
         "bf16": {"enabled": dtype == torch.bfloat16},
+        "communication_data_type": "fp32",  # reduce gradients in fp32 (as FSDP2 does here): exact over 128 ranks
         "zero_optimization": {
             # ZeRO-2: optimizer state and gradients partitioned over all ranks, weights replicated.
             # ZeRO-3: the weights too, gathered layer by layer for forward and backward.
@@ -454,16 +457,24 @@ def main(argv):
     # ---- resume from the newest complete checkpoint
     ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
     start = 0
-    done = complete_checkpoints(ckpt_dir) if cfg["resume"] else []
-    if done:
-        step, tag = done[-1]
+    if not cfg["resume"] and complete_checkpoints(ckpt_dir):
+        raise configurator.ConfigError(f"{ckpt_dir} holds checkpoints of an earlier run and resume=False: use a new "
+                                       f"out_dir (mixing two runs' checkpoints in one directory is never safe)")
+    # rank 0 decides which checkpoint to resume from and tells everyone: all ranks must load the same one
+    choice = [complete_checkpoints(ckpt_dir)[-1] if (cfg["resume"] and complete_checkpoints(ckpt_dir)) else None]
+    torch.distributed.broadcast_object_list(choice, src=0)
+    if choice[0] is not None:
+        step, tag = choice[0]
+        if not os.path.exists(os.path.join(ckpt_dir, tag, "COMPLETE")):
+            raise configurator.ConfigError(f"rank {rank} cannot see {ckpt_dir}/{tag}: out_dir must be on storage "
+                                           f"that every node shares")
         with open(os.path.join(ckpt_dir, tag, "COMPLETE")) as f:
             meta = json.load(f)
         if meta["step"] >= cfg["max_steps"]:
             log(f"run already complete: {ckpt_dir}/{tag} is at step {meta['step']} of max_steps "
                 f"{cfg['max_steps']}; raise --max_steps to go on")
             return 0
-        for key in ("model_size", "patch", "seed", "strategy"):
+        for key in ("model_size", "patch", "seed", "strategy", "crop", "cp", "micro_batch", "grad_accum"):
             if meta["config"][key] != json.loads(json.dumps(cfg[key])):  # tuples come back as lists
                 raise configurator.ConfigError(
                     f"checkpoint {ckpt_dir}/{tag} was trained with {key}={meta['config'][key]!r}, this run has "
@@ -473,7 +484,10 @@ def main(argv):
                 f"checkpoint {ckpt_dir}/{tag} was written by {meta['world']} ranks and this job has {world}: "
                 f"ZeRO partitions the optimizer state per rank, so resume with {meta['world']} ranks "
                 f"(NPROC={meta['world']} bash launch.sh ...)")
-        _, client = engine.load_checkpoint(ckpt_dir, tag=tag)
+        path, client = engine.load_checkpoint(ckpt_dir, tag=tag)
+        if path is None or client is None:
+            raise configurator.ConfigError(f"could not load {ckpt_dir}/{tag} (files missing?): move it aside to "
+                                           f"resume from the one before")
         start = client["step"]
         log(f"resumed from {ckpt_dir}/{tag} (step {start})")
 
