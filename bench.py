@@ -445,15 +445,11 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt):
 
 def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     """The analytic plan of config `cfg` (train.py's keys) on `world` GPUs of kind `gpu`."""
-    import math as _m
-
-    import torch as _t
-
     from model import MODELS
     g = GPUS[gpu]
     grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
     cp = cfg["cp"]
-    with _t.device("meta"):
+    with torch.device("meta"):
         m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
                                       mask_strata=cfg["mask_strata"] or cp)
     P = sum(p.numel() for p in m.parameters())
@@ -484,7 +480,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             hop_comm = 2 * N * C * elem / g["nvlink"]
             hop_compute = 4 * N * N * C / (g["flops"] * mfu)
             hidden = hidden and hop_comm <= hop_compute
-    voxels = _m.prod(cfg["crop"])
+    voxels = math.prod(cfg["crop"])
     s3_node = sps / max(1, W // gpus_per_node) * voxels * 4  # float32 voxels of every sample, per node
     strategy = cfg["strategy"]
     fits = mem[strategy] <= 0.92 * g["mem_gb"]

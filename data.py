@@ -187,14 +187,12 @@ def open_node(url, opts, store=None):
     """The Zarr group or array at a local path or any fsspec URL (s3://, gs://, file://, ...), read-only, or
     in `store` (a zarr Store object; url then only names it). Turns the usual failures into one DataError
     that names the store and the fix."""
-    if store is not None:
-        pass
-    elif "://" not in url:
+    if store is None and "://" not in url:
         if not os.path.exists(url):
             raise DataError(f"data path {url!r} does not exist: set data_paths to existing MDIO/Zarr stores "
                             f"(local paths or s3:// URLs)")
         store = zarr.storage.LocalStore(url, read_only=True)
-    else:
+    elif store is None:
         import fsspec
         try:
             fs, path = fsspec.url_to_fs(url, asynchronous=True, **_storage_options(url, opts))

@@ -193,8 +193,7 @@ def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
         os._exit(17)
     dist.barrier()  # every rank has written its shard
     if rank == 0:
-        meta = {"step": step, "world": dist.get_world_size(), "strategy": client_state["config"]["strategy"],
-                "config": client_state["config"]}
+        meta = {"step": step, "world": dist.get_world_size(), "config": client_state["config"]}
         with open(os.path.join(path, "COMPLETE.tmp"), "w") as f:
             json.dump(meta, f)
         os.replace(os.path.join(path, "COMPLETE.tmp"), os.path.join(path, "COMPLETE"))
@@ -461,7 +460,8 @@ def main(argv):
         raise configurator.ConfigError(f"{ckpt_dir} holds checkpoints of an earlier run and resume=False: use a new "
                                        f"out_dir (mixing two runs' checkpoints in one directory is never safe)")
     # rank 0 decides which checkpoint to resume from and tells everyone: all ranks must load the same one
-    choice = [complete_checkpoints(ckpt_dir)[-1] if (cfg["resume"] and complete_checkpoints(ckpt_dir)) else None]
+    done = complete_checkpoints(ckpt_dir) if cfg["resume"] else []
+    choice = [done[-1] if done else None]
     torch.distributed.broadcast_object_list(choice, src=0)
     if choice[0] is not None:
         step, tag = choice[0]
