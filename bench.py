@@ -15,6 +15,7 @@ measured together are what carry over.
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -406,7 +407,8 @@ def bench_data(argv):
 # -----------------------------------------------------------------------------
 # plan: an analytic model of one training step on a GPU cluster. Memory per GPU under each strategy,
 # activations with and without checkpointing, FLOPs, ring traffic, S3 bandwidth, predicted samples/s.
-# Its FLOP and activation terms are checked against measurements on small configs (calibrate()).
+# Its FLOP and activation terms are checked against measurements on small models (calibrate()), its
+# weight/gradient/optimizer terms per strategy against real 2- and 4-rank training on this CPU (memory_check()).
 
 GPUS = {  # dense bf16 FLOP/s, memory, NVLink per direction, network per node (bytes/s)
     "H200": {"flops": 989e12, "mem_gb": 141, "nvlink": 450e9, "net_node": 3200e9 / 8},
@@ -443,6 +445,62 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt):
     return micro_batch * persistent, micro_batch * transient
 
 
+ZERO3_PERSIST = 1e5  # train.py's stage3_param_persistence_threshold: smaller parameters are never partitioned
+
+
+def param_counts(m):
+    """Parameter counts of a model.MAE (works on the meta device): all of them, the largest block, the ones
+    outside the blocks (embeddings, tokens, final norms, head), those ZeRO-3 never partitions, the largest tensor."""
+    ps, blocks = list(m.parameters()), list(m.blocks) + list(m.decoder_blocks)
+    per_block = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    P = sum(p.numel() for p in ps)
+    return {"P": P, "block": max(per_block), "root": P - sum(per_block),
+            "small": sum(p.numel() for p in ps if p.numel() < ZERO3_PERSIST), "largest": max(p.numel() for p in ps)}
+
+
+def state_bytes(n, strategy, W, d, cfg, on_gpu=True):
+    """Weights, gradients and optimizer state on one of W ranks, in bytes, as four terms:
+      persistent: held from step to step;
+      held:       added for all of forward and backward (gathered weights, buckets), besides the activations;
+      grads:      gradients that build up during backward while the activations are being freed;
+      opt:        added during the optimizer step.
+    n = param_counts(model); d = bytes per element of the compute dtype (2 bf16, 4 fp32). Under every strategy
+    Adam keeps fp32 master weights (4 bytes) and m, v (8 bytes) for this rank's share P/W: 12 P/W. Each other
+    term is something DeepSpeed 0.19 / PyTorch 2.13 allocate (found with the profiler; memory_check measures
+    all three strategies on CPU, fp32 and bf16, 2 and 4 ranks, against this function)."""
+    P, Pw, blk = n["P"], n["P"] / W, n["block"]
+    if strategy == "zero2":
+        persistent = d * P + 12 * Pw  # weights replicated on every rank; master + Adam for this rank's share
+        buckets = (2 if on_gpu else 1) * cfg["zero_bucket"] * d  # reduce bucket(s): two with overlap_comm (GPU)
+        held = buckets + d * blk  # and one block's full gradients before they are copied into the bucket
+        grads = d * Pw  # this rank's gradient share, filled bucket by bucket
+        opt = (d + 4 + 8) * Pw  # the gradient share, its fp32 copy, two fp32 temporaries of AdamW's foreach step
+    elif strategy == "zero3":
+        # weight shards, master + Adam, the gradient share (a flat buffer, kept); parameters too small to be
+        # partitioned, whole; the flat reduce bucket; a block's reduce-scatter buffer, kept for reuse
+        persistent = (d + 12 + d) * Pw + d * n["small"] + d * cfg["zero_bucket"] + d * blk
+        held = d * min(P - n["small"], cfg["zero3_max_live"])  # gathered weights stay resident until reused
+        grads = 0.0
+        opt = 12 * Pw  # fp32 copy of the gradient share, two AdamW temporaries
+    elif strategy == "fsdp2":
+        persistent = 12 * Pw  # fp32 weight shards (they are the master weights) and Adam m, v
+        # the parameters outside the blocks, unsharded from forward to backward; this block and the prefetched
+        # next one, gathered in the compute dtype; a block's fp32 reduce-scatter input and output
+        held = d * n["root"] + 2 * d * blk + 2 * 4 * blk
+        grads = 4 * Pw  # fp32 gradient shards
+        opt = 4 * Pw + 4 * n["largest"] / W  # gradient shards; one tensor's temporaries (AdamW per tensor on DTensors)
+    else:
+        raise ValueError(strategy)
+    return {"persistent": persistent, "held": held, "grads": grads, "opt": opt}
+
+
+def peak_bytes(st, act):
+    """The most a rank holds in a step: persistent state, plus the larger of forward/backward (gathered weights
+    and buckets, and whichever is larger of the activations `act` and the gradients that replace them during
+    backward) and the optimizer step's temporaries."""
+    return st["persistent"] + max(st["held"] + max(act, st["grads"]), st["opt"])
+
+
 def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     """The analytic plan of config `cfg` (train.py's keys) on `world` GPUs of kind `gpu`."""
     from model import MODELS
@@ -452,23 +510,17 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     with torch.device("meta"):
         m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
                                       mask_strata=cfg["mask_strata"] or cp)
-    P = sum(p.numel() for p in m.parameters())
-    block_params = max(sum(p.numel() for p in b.parameters()) for b in list(m.blocks) + list(m.decoder_blocks))
-    W = world
-    # weights, gradients, optimizer state per GPU (bf16 weights and grads, fp32 master + Adam m, v)
-    states = {
-        "zero2": 2 * P + (2 + 4 + 8) * P / W + 2 * 5e8 * 2,  # + reduce/all-gather buckets (DeepSpeed default 5e8)
-        "zero3": (2 + 2 + 4 + 8) * P / W + 2 * 2 * block_params + 2 * 5e7 * 2,  # + gathered layers, prefetch
-        "fsdp2": (4 + 4 + 8) * P / W + 2 * 2 * block_params,  # fp32 shards + grads + Adam; 2 gathered blocks
-    }
-    elem = 2
+    n = param_counts(m)
+    P, W = n["P"], world
+    elem = 4 if cfg["dtype"] == "float32" else 2  # 'auto' is bf16 on a GPU
+    states = {k: state_bytes(n, k, W, elem, cfg) for k in ("zero2", "zero3", "fsdp2")}
     act = sum(activation_bytes(m, cfg["micro_batch"], cp, elem, cfg["grad_ckpt"]))  # peak: both at once
     act_other = sum(activation_bytes(m, cfg["micro_batch"], cp, elem, not cfg["grad_ckpt"]))
     workspace = 3e9  # CUDA context, cuBLAS/flash workspaces, allocator slack
     ring = 0.0
     if cp > 1:  # the ring holds a second K/V block in flight, and fp32 dk/dv accumulators in backward
         ring = max(4 * N * C * elem + 2 * 2 * N * C * 4 for N, C in (((m.n_keep() + 1) / cp, m.dim), (m.L / cp, m.dec_dim)))
-    mem = {k: (v + act + ring + workspace) / 1e9 for k, v in states.items()}
+    mem = {k: (peak_bytes(st, act + ring) + workspace) / 1e9 for k, st in states.items()}
     fps = m.flops_per_sample()
     sps = W * g["flops"] * mfu / fps
     # ring traffic per step per rank (all layers, fwd + bwd) and whether compute hides one hop
@@ -488,7 +540,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             "enc_tokens_per_rank": (m.n_keep() + 1) / cp, "dec_tokens_per_rank": m.L / cp,
             "flops_per_sample": fps, "mfu": mfu, "samples_per_s": sps,
             "mem_per_gpu_gb": round(mem[strategy], 2), "mem_by_strategy_gb": {k: round(v, 2) for k, v in mem.items()},
-            "states_gb": {k: round(v / 1e9, 2) for k, v in states.items()},
+            "states_gb": {k: round(peak_bytes(st, 0) / 1e9, 2) for k, st in states.items()},
             "activations_gb": round(act / 1e9, 2), "activations_other_ckpt_gb": round(act_other / 1e9, 2),
             "ring_gb_per_step_per_rank": round(ring_bytes / 1e9, 2), "ring_hidden_by_compute": hidden,
             "s3_gb_per_s_per_node": round(s3_node / 1e9, 3), "strategy": strategy, "grad_ckpt": cfg["grad_ckpt"],
@@ -543,6 +595,134 @@ def calibrate():
     return rows, worst
 
 
+def _memory_worker(argv):
+    """One rank of memory_check (run under torchrun): train 3 steps of the config in argv with every CPU tensor
+    allocation counted, and write to $MEMORY_OUT (rank 0) the bytes held at the start of the last step
+    (persistent state) and the most held during it (peak), overall and per phase."""
+    import ctypes
+
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import configurator
+    import data
+    import train
+    torch.set_num_threads(1)
+    # The profiler sees allocations made on this thread only; DeepSpeed's and gloo's threads free tensors too,
+    # and those frees would be missed (the count would creep up step after step). This c10 flag makes the CPU
+    # allocator keep its running total for every thread; the profiler's events then report that total.
+    try:
+        libc10 = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        ctypes.c_bool.in_dll(libc10, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"memory_check needs c10's FLAGS_caffe2_report_cpu_memory_usage (a CPU build of torch "
+                         f"on Linux, as in requirements): {e}")
+    cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+    configurator.apply(cfg, argv)
+    train.validate(cfg)
+    steps = 3  # step 0 creates Adam's state; steps 1 and 2 are alike; we read step 2
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        job = train.setup(cfg)
+        for name in ("backward", "step"):  # mark the phases of a step
+            def marked(*a, _f=getattr(job.engine, name), _n=name, **k):
+                with record_function("phase_" + _n):
+                    return _f(*a, **k)
+            setattr(job.engine, name, marked)
+        batches = data.Prefetcher(job.sampler, 0, steps, depth=1)
+        for s in range(steps):
+            with record_function(f"step_{s}"):
+                train.train_step(job, s, batches)
+        batches.close()
+        job.sampler.close()
+    allocs, spans = [], {}
+
+    def walk(events):
+        for e in events:
+            yield e
+            yield from walk(e.children)
+
+    for e in walk(prof.profiler.kineto_results.experimental_event_tree()):
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            allocs.append((e.start_time_ns, e.extra_fields.total_allocated))
+        elif e.name.startswith(("step_", "phase_")):
+            spans.setdefault(e.name, []).append((e.start_time_ns, e.end_time_ns))
+    allocs.sort()
+    a, b = spans[f"step_{steps - 1}"][0]
+    bw = next(x for x in spans["phase_backward"] if a <= x[0] <= b)
+    st = next(x for x in spans["phase_step"] if a <= x[0] <= b)
+
+    def held(t):  # the running total at time t: the last event before it
+        return next((tot for tt, tot in reversed(allocs) if tt <= t), 0)
+
+    def peak(t0, t1):
+        return max([held(t0)] + [tot for tt, tot in allocs if t0 <= tt <= t1])
+
+    out = {"persistent": held(a), "peak": peak(a, b), "fwd_bwd_peak": peak(a, bw[1]), "opt_peak": peak(*st),
+           "after": held(b)}
+    if job.rank == 0:
+        with open(os.environ["MEMORY_OUT"], "w") as f:
+            json.dump(out, f)
+    torch.distributed.destroy_process_group()
+
+
+MEMORY_CASES = (  # (label, ranks, train.py overrides): small enough for this machine, big enough that state shows
+    ("small fp32", 2, ["--dtype=float32"]),
+    ("small bf16", 2, ["--dtype=bfloat16"]),
+    ("small fp32 4 ranks", 4, ["--dtype=float32", "--zero3_max_live=4000000"]),
+)
+
+
+def memory_check(cases=MEMORY_CASES, strategies=("zero2", "zero3", "fsdp2")):
+    """The planner's state terms (state_bytes) and its peak against what each strategy really allocates:
+    2 or 4 CPU ranks of the quickstart data with the `small` model (24.6 M parameters) on a micro batch of 1
+    (activations small beside the state), DeepSpeed buckets of 2e6 elements. Measured: the CPU allocator's
+    running total (every tensor, every thread) at the start of step 2 (persistent) and its maximum during
+    step 2 (peak). Returns table rows and the worst relative error."""
+    import subprocess
+    import tempfile
+
+    from model import MODELS
+    import configurator
+    import train
+    here = os.path.dirname(os.path.abspath(__file__))
+    base = [os.path.join(here, "config", "quickstart.py"), "--model_size=small", "--micro_batch=1",
+            "--zero_bucket=2000000"]
+    rows, worst = [], 0.0
+    with tempfile.TemporaryDirectory() as d:
+        for label, ranks, extra in cases:
+            cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+            configurator.apply(cfg, base + extra)
+            grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
+            with torch.device("meta"):
+                m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"])
+            n, elem = param_counts(m), 4 if cfg["dtype"] == "float32" else 2
+            act = sum(activation_bytes(m, cfg["micro_batch"], 1, elem, cfg["grad_ckpt"]))
+            for strategy in strategies:
+                out = os.path.join(d, f"{label}-{strategy}.json".replace(" ", "_"))
+                env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MEMORY_OUT=out)
+                r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                    f"--nproc_per_node={ranks}", os.path.join(here, "bench.py"), "_memory_worker",
+                                    *base, *extra, f"--strategy={strategy}", f"--out_dir={os.path.join(d, 'o')}",
+                                    "--resume=False"],
+                                   env=env, capture_output=True, text=True, cwd=d)
+                if r.returncode != 0:
+                    print(r.stdout[-2000:], r.stderr[-3000:], file=sys.stderr)
+                    raise SystemExit(f"memory_check {label} {strategy} failed")
+                meas = json.load(open(out))
+                shutil.rmtree(os.path.join(d, "o"), ignore_errors=True)
+                st = state_bytes(n, strategy, ranks, elem, cfg, on_gpu=False)
+                fb = st["persistent"] + st["held"] + max(act, st["grads"])
+                for term, model_b, meas_b in (("state between steps", st["persistent"], meas["persistent"]),
+                                              ("peak in fwd/bwd", fb, meas["fwd_bwd_peak"]),
+                                              ("peak in optimizer step", st["persistent"] + st["opt"], meas["opt_peak"]),
+                                              ("peak", peak_bytes(st, act), meas["peak"])):
+                    e = model_b / meas_b - 1
+                    worst = max(worst, abs(e))
+                    rows.append([f"{label}, {strategy}", term,
+                                 f"{model_b / 2 ** 20:.1f} MiB", f"{meas_b / 2 ** 20:.1f} MiB", f"{100 * e:+.1f}%"])
+    return rows, worst
+
+
 def bench_plan(argv):
     import configurator
     import train
@@ -572,7 +752,11 @@ def bench_plan(argv):
     crow, worst = calibrate()
     print("\nplanner terms vs measurements on small configs (fp32, this machine):")
     table(crow, ["config", "term", "planner", "measured", "error"])
+    mrow, mworst = memory_check()
+    print("\nplanner's weight/gradient/optimizer memory vs what each strategy allocates (2-4 CPU ranks, this machine):")
+    table(mrow, ["config, strategy", "term", "planner", "measured", "error"])
     p["calibration_worst_rel_err"] = round(worst, 4)
+    p["memory_check_worst_rel_err"] = round(mworst, 4)
     return p
 
 
@@ -619,6 +803,9 @@ def bench_strategies(argv, steps=40, warmup=10):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["_memory_worker"]:  # one rank of memory_check
+        _memory_worker(sys.argv[2:])
+        sys.exit(0)
     cmds = {"strategies": bench_strategies, "plan": bench_plan, "step": bench_step, "attention": bench_attention, "gpu-check": gpu_check, "data": bench_data}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(f"usage: python bench.py {{{'|'.join(cmds)}}} [CONFIG] [--key=value ...]", file=sys.stderr)

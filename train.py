@@ -71,6 +71,8 @@ beta1, beta2 = 0.9, 0.95
 grad_clip = 1.0  # max global gradient norm; 0 = off
 dtype = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
 strategy = "zero2"  # zero2 (DeepSpeed ZeRO-2) | zero3 (DeepSpeed ZeRO-3) | fsdp2 (PyTorch fully_shard)
+zero_bucket = int(5e8)  # DeepSpeed's gradient bucket, in elements (its default): GPU memory vs. fewer collectives
+zero3_max_live = int(1e9)  # ZeRO-3: gathered weights kept resident (elements; DeepSpeed's default): reuse vs memory
 # logging and checkpoints
 log_interval = 10  # steps between log lines
 ckpt_interval = 100  # steps between checkpoints (one is also written at the end)
@@ -134,7 +136,7 @@ def validate(cfg):
                 raise configurator.ConfigError(f"model_size {cfg['model_size']!r} with cp={cp}: {e}") from None
     need(0.0 <= cfg["min_live"] <= 1.0, f"min_live must be in [0, 1], got {cfg['min_live']}")
     for key in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval", "keep_ckpts", "in_flight",
-                "prefetch"):
+                "prefetch", "zero_bucket", "zero3_max_live"):
         need(cfg[key] >= 1, f"{key} must be >= 1, got {cfg[key]}")
     need(cfg["dtype"] in ("auto", "float32", "bfloat16"), f"dtype must be auto|float32|bfloat16, got {cfg['dtype']!r}")
     need(cfg["strategy"] in ("zero2", "zero3", "fsdp2"), f"strategy must be zero2|zero3|fsdp2, got {cfg['strategy']!r}")
@@ -298,6 +300,16 @@ def setup(cfg):
             "stage": 2 if strategy == "zero2" else 3,
             # reduce_scatter + contiguous_gradients also keep the gradient all-reduce on for CPU tensors.
             "contiguous_gradients": True, "reduce_scatter": True, "overlap_comm": on_gpu,
+            # buckets: gradients are copied into a reduce bucket of this many elements (two with overlap_comm)
+            # and reduced a bucket at a time; ZeRO-3 prefetches the next layers' weights up to a tenth of it
+            # (DeepSpeed's own defaults: 5e8 and 5e7). bench.py plan counts the same bytes.
+            "reduce_bucket_size": cfg["zero_bucket"], "allgather_bucket_size": cfg["zero_bucket"],
+            "stage3_prefetch_bucket_size": cfg["zero_bucket"] // 10,
+            # ZeRO-3 keeps gathered weights until this many are resident (and does not release those it will
+            # reuse within as many): a model smaller than this stays whole on every rank from forward to
+            # backward. Parameters under 1e5 elements (norms, biases) are never partitioned at all.
+            "stage3_max_live_parameters": cfg["zero3_max_live"], "stage3_max_reuse_distance": cfg["zero3_max_live"],
+            "stage3_param_persistence_threshold": int(1e5),
         },
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10 ** 9,  # we print our own log line

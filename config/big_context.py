@@ -1,7 +1,8 @@
 # The headline run: one sample = 1536 x 1536 x 2048 voxels, split over the 8 H200s of a node by ring
 # attention; 16 P5 nodes. Launch: bash launch.sh config/big_context.py (DRY_RUN=1 first: it prints what each
 # node will run and the planner's memory per GPU). Numbers below are from `python bench.py plan
-# config/big_context.py` (the planner; its FLOP and activation terms are checked against measurements).
+# config/big_context.py` (the planner; its FLOP, activation and per-strategy memory terms are checked
+# against measurements, printed with it).
 #
 # tokens:   (1536/16) x (1536/16) x (2048/16) = 96 x 96 x 128 = 1,179,648 tokens of 16^3 voxels
 # visible:  mask 0.75 -> int(1,179,648 x 0.25) + 1 = 294,913 -> rounded so that visible + cls divides by 8:
@@ -11,7 +12,9 @@
 # cluster:  16 nodes x 8 GPUs = 128 ranks = dp 16 x cp 8 (a CP group is one node: the ring stays on NVLink)
 # model:    ViT-G encoder (1664 wide, 48 deep, 16 heads of 104) = 1.63 B params with the 512 x 8 decoder
 # memory:   per GPU, bf16, grad_ckpt: ~26 GB activations (137 GB without checkpointing: would not fit)
-#           + ~5 GB ZeRO-2 states + ring buffers + 3 GB workspace = ~36.5 GB of 141 GB
+#           + 5.5 GB ZeRO-2 state: bf16 weights 2 B x 1.63 B = 3.3 GB (replicated), fp32 master + Adam
+#             12 B x 1.63 B / 128 = 0.15 GB, 2 reduce buckets x 5e8 x 2 B = 2 GB, gradient share, a block's grads
+#           + ring buffers + 3 GB workspace = ~36.5 GB of 141 GB
 #           Memory is not what binds here: activations are dominated by the decoder's 147,456 tokens per
 #           rank, whatever the encoder. Time is: 155 PFLOP per sample (attention over 1.18 M tokens), so
 #           at 40 % MFU the 128 GPUs make ~0.33 samples/s (~50 s per step of 16 samples). G is the largest
