@@ -4,8 +4,9 @@
 # The mode is chosen automatically (MODE=... overrides):
 #   local      one machine: torchrun --standalone, one rank per GPU, or NPROC CPU ranks (default 2) without GPU
 #   slurm      outside an allocation (sbatch on PATH, nodes > 1 in the config): submits itself with sbatch for
-#              the config's node count. Inside the allocation: srun starts one `node` step per node (with
-#              --auto-resume=1 on SageMaker HyperPod), each writing its own log.
+#              the config's node count. Inside the allocation (the batch script, an salloc shell, or an
+#              interactive `srun --pty bash`, whose resources the new step shares with --overlap): srun starts
+#              one `node` task per node (with --auto-resume=1 on SageMaker HyperPod), each writing its own log.
 #   hostfile   HOSTFILE=path (one host per line; the first is the head): ssh starts one `node` on each host
 #              (a host named 127.0.0.1 or localhost runs here without ssh: how the tests simulate 2 nodes)
 #   node       what runs on each node: torchrun with c10d rendezvous on the head node. Under SLURM the head is
@@ -46,9 +47,15 @@ NODES=$(echo "$PLAN" | sed -n 's/^LAUNCH nodes=\([0-9]*\).*/\1/p')
 GPN=$(echo "$PLAN" | sed -n 's/^LAUNCH .*gpus_per_node=\([0-9]*\).*/\1/p')
 NPROC=${NPROC:-$GPN}
 
+# Inside an srun step (a numeric SLURM_STEP_ID: not the batch script, not salloc's interactive step):
+IN_STEP=0
+if [ -n "${SLURM_JOB_ID:-}" ] && [[ "${SLURM_STEP_ID:-}" =~ ^[0-9]+$ ]] && [ "${SLURM_STEP_ID}" -lt 4294967290 ]; then
+  IN_STEP=1
+fi
 if [ -z "${MODE:-}" ]; then
-  if [ -n "${SLURM_JOB_ID:-}" ] && [ -n "${SLURM_STEP_ID:-}" ] && [ "${SLURM_STEP_ID}" != "batch" ] \
-     && [ "${SLURM_STEP_ID}" != "4294967294" ]; then MODE=node        # inside an srun step
+  # our own srun passes MODE=node; a step with a terminal (srun --pty bash) is a user's interactive shell:
+  # start the node steps from there, as from the batch script; any other step is one task per node: a node
+  if [ "$IN_STEP" = 1 ] && [ -z "${SLURM_PTY_PORT:-}" ]; then MODE=node
   elif [ -n "${SLURM_JOB_ID:-}" ]; then MODE=slurm                  # inside an allocation: start the steps
   elif [ -n "${HOSTFILE:-}" ]; then MODE=hostfile
   elif [ "$NODES" -gt 1 ] && command -v sbatch >/dev/null 2>&1; then MODE=slurm
@@ -92,11 +99,27 @@ node_cmd() {  # $1 = head address, then train.py's arguments
        "--rdzv_endpoint=$head:$PORT --rdzv_id=${SLURM_JOB_ID:-${RDZV_ID:-mae}} --max_restarts=0 train.py $(printf '%q ' "$@")"
 }
 
+# the step that starts one node per host of the allocation (slurm mode)
+srun_cmd() {  # train.py's arguments
+  local extra=""
+  if [ -d /opt/sagemaker_cluster ]; then extra+=" --auto-resume=1"; fi  # HyperPod: replace bad nodes, rerun
+  # from an interactive step (srun --pty bash), that step holds the allocation's resources: share them
+  if [ "$IN_STEP" = 1 ]; then extra+=" --overlap"; fi
+  # one task per node; each node's output in its own log (%t = node index within the step). --cpu-bind=none:
+  # the one task per node starts 8 ranks, which must not share the task's single core
+  echo "srun$extra --nodes=$NODES --ntasks-per-node=1 --gpus-per-node=$NPROC --cpu-bind=none --kill-on-bad-exit=1" \
+       "--output=$(printf '%q' "$LOG_DIR/node_%t.log") --export=ALL,MODE=node,LAUNCH_ROOT=$(printf '%q' "$ROOT")" \
+       "bash $(printf '%q' "$ROOT/launch.sh") $(printf '%q ' "$@")"
+}
+
 if [ "${DRY_RUN:-0}" = "1" ]; then
   echo "launch.sh dry run: $NODES node(s) x $NPROC rank(s) = world $((NODES * NPROC)); mode here: $MODE" \
        "$([ "$MODE" = local ] && [ "$NODES" -gt 1 ] && echo '(no SLURM or HOSTFILE here; on the cluster: slurm)')"
   echo "environment:"
   env | grep -E '^(FI_|NCCL_|TORCH_NCCL|TORCH_FR|PYTORCH_CUDA|DS_ACCELERATOR|OMP_NUM_THREADS)' | sort | sed 's/^/  /'
+  if [ "$MODE" = slurm ]; then
+    echo "in the allocation: $(srun_cmd "$@")"
+  fi
   if [ "$NODES" -gt 1 ]; then
     for ((i = 0; i < NODES; i++)); do
       echo "node $i runs: $(node_cmd "\$HEAD" "$@")"
@@ -126,14 +149,8 @@ case "$MODE" in
       echo "error: the config asks for $NODES nodes but this allocation has ${SLURM_JOB_NUM_NODES}" >&2
       exit 2
     fi
-    AUTO_RESUME=""
-    if [ -d /opt/sagemaker_cluster ]; then AUTO_RESUME="--auto-resume=1"; fi  # HyperPod replaces bad nodes
     mkdir -p "$LOG_DIR"
-    # one step, one task per node; each node's output in its own log (%t = node index within the step)
-    # --cpu-bind=none: the one task per node starts 8 ranks, which must not share the task's single core
-    exec srun $AUTO_RESUME --nodes="$NODES" --ntasks-per-node=1 --gpus-per-node="$NPROC" --cpu-bind=none \
-      --kill-on-bad-exit=1 --output="$LOG_DIR/node_%t.log" --export=ALL,MODE=node,LAUNCH_ROOT="$ROOT" \
-      bash "$ROOT/launch.sh" "$@"
+    eval "exec $(srun_cmd "$@")"
     ;;
   node)
     if [ -z "${HEAD:-}" ]; then  # under SLURM: the head is the first host of the (possibly replaced) node list

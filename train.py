@@ -171,6 +171,22 @@ def complete_checkpoints(ckpt_dir):
     return sorted(out)
 
 
+def fsync_tree(path, files=True):
+    """Flush every file under `path` (if files) and every directory (their entries: new names, renames)."""
+    for root, _, names in os.walk(path):
+        for name in (names if files else []):
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
     import torch.distributed as dist
     tag = f"step_{step:07d}"
@@ -194,11 +210,20 @@ def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
     if fault[0] == "die_in_checkpoint" and int(fault[1]) == step and int(fault[2]) == rank:
         os._exit(17)
     dist.barrier()  # every rank has written its shard
+    # ... and the shards are on disk before COMPLETE says so: a crash or power loss right after the marker must
+    # not leave it pointing at data still in a page cache. One rank per node flushes every file (on a shared
+    # file system each node's client flushes what that node wrote; locally one flush covers all ranks).
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        fsync_tree(path)
+    dist.barrier()
     if rank == 0:
         meta = {"step": step, "world": dist.get_world_size(), "config": client_state["config"]}
         with open(os.path.join(path, "COMPLETE.tmp"), "w") as f:
             json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(os.path.join(path, "COMPLETE.tmp"), os.path.join(path, "COMPLETE"))
+        fsync_tree(path, files=False)  # the rename itself (the directory entry)
         done = complete_checkpoints(ckpt_dir)
         for _, old in done[:-keep]:
             shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)

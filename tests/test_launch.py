@@ -29,6 +29,20 @@ def test_dry_run_big_context_prints_the_cluster_commands_and_the_fit():
     assert "-> fits" in out and "GB of 129.7 GB usable" in out
 
 
+def test_slurm_mode_detection_inside_steps():
+    """Our own srun step is MODE=node (launch.sh exports it); without MODE, a step with a terminal (a user's
+    `srun --pty bash`) starts the node steps itself, sharing the interactive step's resources (--overlap); a
+    step without one (a user's `srun bash launch.sh` per node) is a node; the batch script starts the steps."""
+    base = dict(DRY_RUN="1", SLURM_JOB_ID="7", SLURM_JOB_NUM_NODES="16")
+    r = launch(["config/big_context.py"], SLURM_STEP_ID="0", SLURM_PTY_PORT="4242", **base)
+    assert r.returncode == 0 and "mode here: slurm" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert re.search(r"in the allocation: srun --overlap --nodes=16 --ntasks-per-node=1 .*MODE=node", r.stdout)
+    r = launch(["config/big_context.py"], SLURM_STEP_ID="0", **base)
+    assert r.returncode == 0 and "mode here: node" in r.stdout, r.stdout + r.stderr[-2000:]
+    r = launch(["config/big_context.py"], SLURM_STEP_ID="4294967294", **base)  # the batch script
+    assert "mode here: slurm" in r.stdout and "in the allocation: srun --nodes=16" in r.stdout
+
+
 def test_dry_run_bad_input_is_a_clear_error():
     r = launch(["config/big_context.py", "--cp=3"], DRY_RUN="1")
     assert r.returncode == 2 and "not divisible by cp=3" in r.stderr

@@ -123,3 +123,18 @@ def test_bad_input_fails_cleanly_before_training(small_store, tmp_path, extra, e
     assert r.returncode == 2
     assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert not os.path.exists(tmp_path / "log.jsonl")  # nothing trained, nothing written
+
+
+def test_fsync_tree_flushes_every_file_and_directory(tmp_path, monkeypatch):
+    # a checkpoint-shaped tree; record which paths os.fsync is called on (through /proc/self/fd)
+    for rel in ("a.pt", "zero/rank_0.pt", "zero/rank_1.pt", "zero/deeper/x.distcp"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"w")
+    synced, real = set(), os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.add(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    train.fsync_tree(str(tmp_path))
+    files = {str(p) for p in tmp_path.rglob("*")} | {str(tmp_path)}
+    assert synced == files  # every file and every directory, nothing else
+    synced.clear()
+    train.fsync_tree(str(tmp_path), files=False)
+    assert synced == {str(tmp_path), str(tmp_path / "zero"), str(tmp_path / "zero" / "deeper")}
