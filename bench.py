@@ -445,17 +445,16 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt):
     return micro_batch * persistent, micro_batch * transient
 
 
-ZERO3_PERSIST = 1e5  # train.py's stage3_param_persistence_threshold: smaller parameters are never partitioned
-
-
 def param_counts(m):
     """Parameter counts of a model.MAE (works on the meta device): all of them, the largest block, the ones
     outside the blocks (embeddings, tokens, final norms, head), those ZeRO-3 never partitions, the largest tensor."""
+    import train
     ps, blocks = list(m.parameters()), list(m.blocks) + list(m.decoder_blocks)
     per_block = [sum(p.numel() for p in b.parameters()) for b in blocks]
     P = sum(p.numel() for p in ps)
     return {"P": P, "block": max(per_block), "root": P - sum(per_block),
-            "small": sum(p.numel() for p in ps if p.numel() < ZERO3_PERSIST), "largest": max(p.numel() for p in ps)}
+            "small": sum(p.numel() for p in ps if p.numel() <= train.ZERO3_PERSIST),
+            "largest": max(p.numel() for p in ps)}
 
 
 def state_bytes(n, strategy, W, d, cfg, on_gpu=True):
@@ -464,31 +463,52 @@ def state_bytes(n, strategy, W, d, cfg, on_gpu=True):
       held:       added for all of forward and backward (gathered weights, buckets), besides the activations;
       grads:      gradients that build up during backward while the activations are being freed;
       opt:        added during the optimizer step.
-    n = param_counts(model); d = bytes per element of the compute dtype (2 bf16, 4 fp32). Under every strategy
-    Adam keeps fp32 master weights (4 bytes) and m, v (8 bytes) for this rank's share P/W: 12 P/W. Each other
-    term is something DeepSpeed 0.19 / PyTorch 2.13 allocate (found with the profiler; memory_check measures
-    all three strategies on CPU, fp32 and bf16, 2 and 4 ranks, against this function)."""
-    P, Pw, blk = n["P"], n["P"] / W, n["block"]
+    n = param_counts(model); d = bytes per element of the compute dtype (2 bf16, 4 fp32); gradients are reduced
+    in fp32 (train.py: communication_data_type, reduce_dtype). Under every strategy Adam keeps fp32 master
+    weights (4 bytes) and m, v (8 bytes) for this rank's share P/W: 12 P/W. Each other term is a tensor that
+    DeepSpeed 0.19 / PyTorch 2.13 allocate (found with the profiler and in their source); memory_check measures
+    them on CPU. What differs on a GPU (on_gpu) is taken from the source, not measured: two reduce buckets
+    (overlap_comm), AdamW's foreach step (one temporary per group where the CPU's per-tensor step makes two),
+    and no gloo copies."""
+    P, Pw, blk, B = n["P"], n["P"] / W, n["block"], cfg["zero_bucket"]
+    Bn = min(B, P)  # a bucket never holds more gradients than there are
+    to32 = 4 if d != 4 else 0  # a cast to fp32 for the reduction (none when the compute dtype is fp32)
+    if strategy == "fsdp2":  # AdamW over DTensor shards: foreach on GPU, per tensor on CPU
+        adam_tmp = 4 * Pw if on_gpu else 2 * 4 * n["largest"] / W
+    else:  # DeepSpeed's optimizer sees one flat fp32 tensor per group: per tensor is the whole share
+        adam_tmp = 4 * Pw if on_gpu else 2 * 4 * Pw
     if strategy == "zero2":
         persistent = d * P + 12 * Pw  # weights replicated on every rank; master + Adam for this rank's share
-        buckets = (2 if on_gpu else 1) * cfg["zero_bucket"] * d  # reduce bucket(s): two with overlap_comm (GPU)
-        held = buckets + d * blk  # and one block's full gradients before they are copied into the bucket
+        held = ((2 if on_gpu else 1) * d * B  # reduce bucket(s): two with overlap_comm (GPU)
+                + (d + to32) * Bn  # allreduce_bucket: a flat copy of the bucket, then its fp32 cast
+                + d * blk)  # one block's full gradients, before they are copied into the bucket
         grads = d * Pw  # this rank's gradient share, filled bucket by bucket
-        opt = (d + 4 + 8) * Pw  # the gradient share, its fp32 copy, two fp32 temporaries of AdamW's foreach step
+        opt = d * Pw + 4 * Pw + adam_tmp  # the gradient share, its flat fp32 copy for the step, AdamW temporaries
     elif strategy == "zero3":
-        # weight shards, master + Adam, the gradient share (a flat buffer, kept); parameters too small to be
-        # partitioned, whole; the flat reduce bucket; a block's reduce-scatter buffer, kept for reuse
-        persistent = (d + 12 + d) * Pw + d * n["small"] + d * cfg["zero_bucket"] + d * blk
-        held = d * min(P - n["small"], cfg["zero3_max_live"])  # gathered weights stay resident until reused
-        grads = 0.0
-        opt = 12 * Pw  # fp32 copy of the gradient share, two AdamW temporaries
+        persistent = (d * Pw  # weight shards
+                      + 12 * Pw  # master + Adam
+                      + d * Pw  # the gradient share: a flat buffer, kept, in the compute dtype
+                      + d * n["small"]  # parameters too small to partition, whole on every rank
+                      + 4 * B  # the reduce bucket, in the communication dtype (fp32)
+                      + (0 if on_gpu else 4 * blk))  # gloo keeps its copy of the last reduce-scatter input
+        # gathered weights: ZeRO-3 keeps a gathered weight that the forward+backward trace uses again within
+        # stage3_max_reuse_distance elements and prefetches up to stage3_max_live_parameters resident (train.py
+        # sets both to zero3_max_live): about that many stay gathered (measured: the change of the peak follows
+        # zero3_max_live one for one), plus the submodule in use (at most the largest tensor) and the prefetch
+        gathered = min(P - n["small"], cfg["zero3_max_live"]) + n["largest"] + min(B // 10, cfg["zero3_max_live"])
+        held = (d * gathered
+                + 4 * Bn  # reduce_scatter_coalesced's flat fp32 copy of a bucket
+                + (0 if on_gpu else 4 * Bn))  # and gloo's copy of that (NCCL reduce-scatters in place)
+        grads = 0.0  # (the share is the persistent flat buffer)
+        opt = 4 * Pw + adam_tmp  # the fp32 copy of the gradient share, AdamW temporaries
     elif strategy == "fsdp2":
         persistent = 12 * Pw  # fp32 weight shards (they are the master weights) and Adam m, v
-        # the parameters outside the blocks, unsharded from forward to backward; this block and the prefetched
-        # next one, gathered in the compute dtype; a block's fp32 reduce-scatter input and output
-        held = d * n["root"] + 2 * d * blk + 2 * 4 * blk
+        held = (d * n["root"]  # the parameters outside the blocks, unsharded from forward to backward
+                + 2 * d * blk  # this block and the prefetched next one, gathered in the compute dtype
+                + d * blk + 4 * blk  # a block's unsharded gradients and their fp32 reduce-scatter input
+                + (0 if on_gpu else 4 * blk))  # gloo's copy of that input
         grads = 4 * Pw  # fp32 gradient shards
-        opt = 4 * Pw + 4 * n["largest"] / W  # gradient shards; one tensor's temporaries (AdamW per tensor on DTensors)
+        opt = 4 * Pw + adam_tmp  # gradient shards, AdamW temporaries
     else:
         raise ValueError(strategy)
     return {"persistent": persistent, "held": held, "grads": grads, "opt": opt}
@@ -597,8 +617,8 @@ def calibrate():
 
 def _memory_worker(argv):
     """One rank of memory_check (run under torchrun): train 3 steps of the config in argv with every CPU tensor
-    allocation counted, and write to $MEMORY_OUT (rank 0) the bytes held at the start of the last step
-    (persistent state) and the most held during it (peak), overall and per phase."""
+    allocation counted, and write to $MEMORY_OUT<rank> the bytes held at the start of the last step (the state
+    between steps) and the most held during it: in forward/backward, in the optimizer step, overall."""
     import ctypes
 
     from torch._C._profiler import _EventType
@@ -657,27 +677,33 @@ def _memory_worker(argv):
     def peak(t0, t1):
         return max([held(t0)] + [tot for tt, tot in allocs if t0 <= tt <= t1])
 
-    out = {"persistent": held(a), "peak": peak(a, b), "fwd_bwd_peak": peak(a, bw[1]), "opt_peak": peak(*st),
-           "after": held(b)}
-    if job.rank == 0:
-        with open(os.environ["MEMORY_OUT"], "w") as f:
-            json.dump(out, f)
+    out = {"state between steps": held(a), "peak in fwd/bwd": peak(a, bw[1]), "peak in optimizer step": peak(*st),
+           "peak": peak(a, b)}
+    with open(f"{os.environ['MEMORY_OUT']}{job.rank}", "w") as f:
+        json.dump(out, f)
     torch.distributed.destroy_process_group()
 
 
-MEMORY_CASES = (  # (label, ranks, train.py overrides): small enough for this machine, big enough that state shows
-    ("small fp32", 2, ["--dtype=float32"]),
-    ("small bf16", 2, ["--dtype=bfloat16"]),
-    ("small fp32 4 ranks", 4, ["--dtype=float32", "--zero3_max_live=4000000"]),
+MEMORY_BASE = ["config/quickstart.py", "--model_size=small", "--micro_batch=1", "--zero_bucket=2000000"]
+MEMORY_CASES = (  # (label, ranks, strategies, train.py overrides beyond MEMORY_BASE)
+    ("fp32", 2, ("zero2", "zero3", "fsdp2"), ["--dtype=float32"]),
+    ("bf16", 2, ("zero2", "zero3", "fsdp2"), ["--dtype=bfloat16"]),
+    ("fp32, 4 ranks", 4, ("zero2", "zero3", "fsdp2"), ["--dtype=float32", "--zero3_max_live=4000000"]),
+    # DeepSpeed's buckets and ZeRO-3's gathered weights are small beside the state above (on a GPU they are
+    # the largest state terms), so they are also checked in runs where they are the largest terms
+    ("bf16, zero_bucket 16e6", 2, ("zero2", "zero3"), ["--dtype=bfloat16", "--zero_bucket=16000000"]),
+    ("fp32, 4 ranks, zero3_max_live 16e6", 4, ("zero3",), ["--dtype=float32", "--zero3_max_live=16000000"]),
 )
 
 
-def memory_check(cases=MEMORY_CASES, strategies=("zero2", "zero3", "fsdp2")):
+def memory_check(cases=MEMORY_CASES):
     """The planner's state terms (state_bytes) and its peak against what each strategy really allocates:
     2 or 4 CPU ranks of the quickstart data with the `small` model (24.6 M parameters) on a micro batch of 1
-    (activations small beside the state), DeepSpeed buckets of 2e6 elements. Measured: the CPU allocator's
-    running total (every tensor, every thread) at the start of step 2 (persistent) and its maximum during
-    step 2 (peak). Returns table rows and the worst relative error."""
+    (activations small beside the state), DeepSpeed buckets of 2e6 elements unless a case says otherwise
+    (`cases`: MEMORY_CASES or some of them). Measured on every rank (the
+    largest is kept): the CPU allocator's running total (every tensor, every thread) at the start of step 2
+    (state between steps), its maximum during forward/backward, during the optimizer step, and overall.
+    Returns rows of {case, strategy, term, planner, measured} (bytes) and the worst relative error."""
     import subprocess
     import tempfile
 
@@ -685,42 +711,49 @@ def memory_check(cases=MEMORY_CASES, strategies=("zero2", "zero3", "fsdp2")):
     import configurator
     import train
     here = os.path.dirname(os.path.abspath(__file__))
-    base = [os.path.join(here, "config", "quickstart.py"), "--model_size=small", "--micro_batch=1",
-            "--zero_bucket=2000000"]
-    rows, worst = [], 0.0
-    with tempfile.TemporaryDirectory() as d:
-        for label, ranks, extra in cases:
-            cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
-            configurator.apply(cfg, base + extra)
-            grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
-            with torch.device("meta"):
-                m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"])
-            n, elem = param_counts(m), 4 if cfg["dtype"] == "float32" else 2
-            act = sum(activation_bytes(m, cfg["micro_batch"], 1, elem, cfg["grad_ckpt"]))
-            for strategy in strategies:
-                out = os.path.join(d, f"{label}-{strategy}.json".replace(" ", "_"))
-                env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MEMORY_OUT=out)
-                r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                    f"--nproc_per_node={ranks}", os.path.join(here, "bench.py"), "_memory_worker",
-                                    *base, *extra, f"--strategy={strategy}", f"--out_dir={os.path.join(d, 'o')}",
-                                    "--resume=False"],
-                                   env=env, capture_output=True, text=True, cwd=d)
-                if r.returncode != 0:
-                    print(r.stdout[-2000:], r.stderr[-3000:], file=sys.stderr)
-                    raise SystemExit(f"memory_check {label} {strategy} failed")
-                meas = json.load(open(out))
-                shutil.rmtree(os.path.join(d, "o"), ignore_errors=True)
-                st = state_bytes(n, strategy, ranks, elem, cfg, on_gpu=False)
-                fb = st["persistent"] + st["held"] + max(act, st["grads"])
-                for term, model_b, meas_b in (("state between steps", st["persistent"], meas["persistent"]),
-                                              ("peak in fwd/bwd", fb, meas["fwd_bwd_peak"]),
-                                              ("peak in optimizer step", st["persistent"] + st["opt"], meas["opt_peak"]),
-                                              ("peak", peak_bytes(st, act), meas["peak"])):
-                    e = model_b / meas_b - 1
-                    worst = max(worst, abs(e))
-                    rows.append([f"{label}, {strategy}", term,
-                                 f"{model_b / 2 ** 20:.1f} MiB", f"{meas_b / 2 ** 20:.1f} MiB", f"{100 * e:+.1f}%"])
-    return rows, worst
+    base = [os.path.join(here, MEMORY_BASE[0]), *MEMORY_BASE[1:]]
+
+    def run(ranks, strategy, extra):  # -> (measured, planned): dicts of the four terms, in bytes
+        cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+        configurator.apply(cfg, base + extra)
+        grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
+        with torch.device("meta"):
+            m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"])
+        elem = 2 if cfg["dtype"] == "bfloat16" else 4  # 'auto' is fp32 on CPU
+        act = sum(activation_bytes(m, cfg["micro_batch"], 1, elem, cfg["grad_ckpt"]))
+        st = state_bytes(param_counts(m), strategy, ranks, elem, cfg, on_gpu=False)
+        planned = {"state between steps": st["persistent"],
+                   "peak in fwd/bwd": st["persistent"] + st["held"] + max(act, st["grads"]),
+                   "peak in optimizer step": st["persistent"] + st["opt"], "peak": peak_bytes(st, act)}
+        with tempfile.TemporaryDirectory() as d:
+            # CUDA hidden: on a GPU machine train.setup would otherwise train there, beyond this CPU count
+            env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="",
+                       MEMORY_OUT=os.path.join(d, "rank"))
+            r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                f"--nproc_per_node={ranks}", os.path.join(here, "bench.py"), "_memory_worker",
+                                *base, *extra, f"--strategy={strategy}", f"--out_dir={os.path.join(d, 'o')}"],
+                               env=env, capture_output=True, text=True, cwd=d)
+            if r.returncode != 0:
+                print(r.stdout[-2000:], r.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"memory_check: {strategy} on {ranks} ranks with {extra} failed")
+            per_rank = []
+            for i in range(ranks):
+                with open(os.path.join(d, f"rank{i}")) as f:
+                    per_rank.append(json.load(f))
+        return {k: max(x[k] for x in per_rank) for k in planned}, planned
+
+    rows = []
+    for label, ranks, strategies, extra in cases:
+        for strategy in strategies:
+            measured, planned = run(ranks, strategy, extra)
+            rows += [{"case": label, "strategy": strategy, "term": k, "planner": planned[k], "measured": measured[k],
+                      "error": planned[k] / measured[k] - 1} for k in planned]
+    return rows, max(abs(r["error"]) for r in rows)
+
+
+def memory_table(rows):
+    table([[r["case"], r["strategy"], r["term"], f"{r['planner'] / 2 ** 20:.1f} MiB", f"{r['measured'] / 2 ** 20:.1f} MiB",
+            f"{100 * r['error']:+.1f}%"] for r in rows], ["case", "strategy", "term", "planner", "measured", "error"])
 
 
 def bench_plan(argv):
@@ -753,8 +786,9 @@ def bench_plan(argv):
     print("\nplanner terms vs measurements on small configs (fp32, this machine):")
     table(crow, ["config", "term", "planner", "measured", "error"])
     mrow, mworst = memory_check()
-    print("\nplanner's weight/gradient/optimizer memory vs what each strategy allocates (2-4 CPU ranks, this machine):")
-    table(mrow, ["config, strategy", "term", "planner", "measured", "error"])
+    print(f"\nplanner's weight/gradient/optimizer memory vs what each strategy allocates on 2-4 CPU ranks here "
+          f"({' '.join(MEMORY_BASE)}):")
+    memory_table(mrow)
     p["calibration_worst_rel_err"] = round(worst, 4)
     p["memory_check_worst_rel_err"] = round(mworst, 4)
     return p

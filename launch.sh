@@ -5,8 +5,9 @@
 #   local      one machine: torchrun --standalone, one rank per GPU, or NPROC CPU ranks (default 2) without GPU
 #   slurm      outside an allocation (sbatch on PATH, nodes > 1 in the config): submits itself with sbatch for
 #              the config's node count. Inside the allocation (the batch script, an salloc shell, or an
-#              interactive `srun --pty bash`, whose resources the new step shares with --overlap): srun starts
-#              one `node` task per node (with --auto-resume=1 on SageMaker HyperPod), each writing its own log.
+#              interactive `srun --pty bash`, whose resources the new step shares: --overlap, Slurm >= 20.11):
+#              srun starts one `node` task per node (with --auto-resume=1 on SageMaker HyperPod), each
+#              writing its own log.
 #   hostfile   HOSTFILE=path (one host per line; the first is the head): ssh starts one `node` on each host
 #              (a host named 127.0.0.1 or localhost runs here without ssh: how the tests simulate 2 nodes)
 #   node       what runs on each node: torchrun with c10d rendezvous on the head node. Under SLURM the head is
@@ -104,10 +105,13 @@ srun_cmd() {  # train.py's arguments
   local extra=""
   if [ -d /opt/sagemaker_cluster ]; then extra+=" --auto-resume=1"; fi  # HyperPod: replace bad nodes, rerun
   # from an interactive step (srun --pty bash), that step holds the allocation's resources: share them
+  # (--overlap: Slurm >= 20.11)
   if [ "$IN_STEP" = 1 ]; then extra+=" --overlap"; fi
   # one task per node; each node's output in its own log (%t = node index within the step). --cpu-bind=none:
   # the one task per node starts 8 ranks, which must not share the task's single core
-  echo "srun$extra --nodes=$NODES --ntasks-per-node=1 --gpus-per-node=$NPROC --cpu-bind=none --kill-on-bad-exit=1" \
+  # --ntasks explicitly: srun would otherwise take the enclosing step's or salloc's SLURM_NTASKS as its own
+  echo "srun$extra --nodes=$NODES --ntasks=$NODES --ntasks-per-node=1 --gpus-per-node=$NPROC --cpu-bind=none" \
+       "--kill-on-bad-exit=1" \
        "--output=$(printf '%q' "$LOG_DIR/node_%t.log") --export=ALL,MODE=node,LAUNCH_ROOT=$(printf '%q' "$ROOT")" \
        "bash $(printf '%q' "$ROOT/launch.sh") $(printf '%q ' "$@")"
 }
@@ -146,10 +150,13 @@ case "$MODE" in
         "$ROOT/launch.sh" "$@"
     fi
     if [ "${SLURM_JOB_NUM_NODES:-1}" -lt "$NODES" ]; then
-      echo "error: the config asks for $NODES nodes but this allocation has ${SLURM_JOB_NUM_NODES}" >&2
+      echo "error: the config asks for $NODES nodes but this allocation has ${SLURM_JOB_NUM_NODES:-1}" >&2
       exit 2
     fi
     mkdir -p "$LOG_DIR"
+    if [ "$IN_STEP" = 1 ]; then  # the interactive step's own task layout must not become the new step's
+      unset SLURM_NTASKS SLURM_NPROCS SLURM_CPUS_PER_TASK SLURM_TRES_PER_TASK SLURM_NTASKS_PER_NODE
+    fi
     eval "exec $(srun_cmd "$@")"
     ;;
   node)

@@ -16,6 +16,7 @@ the masked count of the whole sample, multiplied by cp before backward; ZeRO ave
 the whole world, so the result is the mean over the dp_size samples, exactly as with cp = 1.
 """
 
+import errno
 import json
 import math
 import os
@@ -72,7 +73,7 @@ grad_clip = 1.0  # max global gradient norm; 0 = off
 dtype = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
 strategy = "zero2"  # zero2 (DeepSpeed ZeRO-2) | zero3 (DeepSpeed ZeRO-3) | fsdp2 (PyTorch fully_shard)
 zero_bucket = int(5e8)  # DeepSpeed's gradient bucket, in elements (its default): GPU memory vs. fewer collectives
-zero3_max_live = int(1e9)  # ZeRO-3: gathered weights kept resident (elements; DeepSpeed's default): reuse vs memory
+zero3_max_live = int(1e9)  # ZeRO-3: weights reused within this many elements stay gathered; caps prefetch too
 # logging and checkpoints
 log_interval = 10  # steps between log lines
 ckpt_interval = 100  # steps between checkpoints (one is also written at the end)
@@ -88,6 +89,7 @@ dry_run = False  # validate and plan for nodes x gpus_per_node, print, exit (DRY
 
 CONFIG_KEYS = [k for k, v in list(globals().items())
                if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple, list))]
+ZERO3_PERSIST = int(1e5)  # ZeRO-3 never partitions parameters of at most this many elements (DeepSpeed's default)
 
 
 # -----------------------------------------------------------------------------
@@ -171,20 +173,29 @@ def complete_checkpoints(ckpt_dir):
     return sorted(out)
 
 
-def fsync_tree(path, files=True):
-    """Flush every file under `path` (if files) and every directory (their entries: new names, renames)."""
+def fsync_dir(path):
+    """Flush a directory's entries (new names, renames). Some network file systems refuse fsync on a
+    directory (EINVAL): they commit entries on their own, so that is not an error."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path):
+    """Flush every file under `path`, then every directory's entries."""
     for root, _, names in os.walk(path):
-        for name in (names if files else []):
+        for name in names:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(root)
 
 
 def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
@@ -223,7 +234,8 @@ def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
             f.flush()
             os.fsync(f.fileno())
         os.replace(os.path.join(path, "COMPLETE.tmp"), os.path.join(path, "COMPLETE"))
-        fsync_tree(path, files=False)  # the rename itself (the directory entry)
+        fsync_dir(path)  # the rename itself
+        fsync_dir(ckpt_dir)  # and the checkpoint's own entry, before older checkpoints are deleted
         done = complete_checkpoints(ckpt_dir)
         for _, old in done[:-keep]:
             shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
@@ -325,16 +337,18 @@ def setup(cfg):
             "stage": 2 if strategy == "zero2" else 3,
             # reduce_scatter + contiguous_gradients also keep the gradient all-reduce on for CPU tensors.
             "contiguous_gradients": True, "reduce_scatter": True, "overlap_comm": on_gpu,
-            # buckets: gradients are copied into a reduce bucket of this many elements (two with overlap_comm)
-            # and reduced a bucket at a time; ZeRO-3 prefetches the next layers' weights up to a tenth of it
-            # (DeepSpeed's own defaults: 5e8 and 5e7). bench.py plan counts the same bytes.
+            # buckets: gradients are copied into a reduce bucket of this many elements (ZeRO-2: two with
+            # overlap_comm, in the compute dtype; ZeRO-3: one, in fp32) and reduced a bucket at a time; ZeRO-3
+            # prefetches the next layers' weights up to a tenth of it (DeepSpeed's defaults: 5e8 and 5e7).
+            # bench.py plan counts the same bytes (state_bytes).
             "reduce_bucket_size": cfg["zero_bucket"], "allgather_bucket_size": cfg["zero_bucket"],
             "stage3_prefetch_bucket_size": cfg["zero_bucket"] // 10,
-            # ZeRO-3 keeps gathered weights until this many are resident (and does not release those it will
-            # reuse within as many): a model smaller than this stays whole on every rank from forward to
-            # backward. Parameters under 1e5 elements (norms, biases) are never partitioned at all.
+            # ZeRO-3 does not release a gathered weight that the forward+backward trace uses again within
+            # max_reuse_distance elements (so a model under half of it stays whole on every rank from forward
+            # to backward), and prefetches no further than max_live_parameters resident (DeepSpeed's defaults:
+            # 1e9 both). Parameters of at most 1e5 elements (norms, biases) are never partitioned at all.
             "stage3_max_live_parameters": cfg["zero3_max_live"], "stage3_max_reuse_distance": cfg["zero3_max_live"],
-            "stage3_param_persistence_threshold": int(1e5),
+            "stage3_param_persistence_threshold": ZERO3_PERSIST,
         },
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10 ** 9,  # we print our own log line

@@ -32,15 +32,25 @@ def test_dry_run_big_context_prints_the_cluster_commands_and_the_fit():
 def test_slurm_mode_detection_inside_steps():
     """Our own srun step is MODE=node (launch.sh exports it); without MODE, a step with a terminal (a user's
     `srun --pty bash`) starts the node steps itself, sharing the interactive step's resources (--overlap); a
-    step without one (a user's `srun bash launch.sh` per node) is a node; the batch script starts the steps."""
+    step without one (a user's `srun bash launch.sh` per node) is a node; the batch script, salloc's
+    interactive step and a plain salloc shell (no step) start the steps."""
     base = dict(DRY_RUN="1", SLURM_JOB_ID="7", SLURM_JOB_NUM_NODES="16")
-    r = launch(["config/big_context.py"], SLURM_STEP_ID="0", SLURM_PTY_PORT="4242", **base)
+
+    def srun_line(out):
+        return next((x for x in out.splitlines() if x.startswith("in the allocation: srun ")), "")
+
+    r = launch(["config/big_context.py"], SLURM_STEP_ID="0", SLURM_PTY_PORT="4242", SLURM_NTASKS="1", **base)
     assert r.returncode == 0 and "mode here: slurm" in r.stdout, r.stdout + r.stderr[-2000:]
-    assert re.search(r"in the allocation: srun --overlap --nodes=16 --ntasks-per-node=1 .*MODE=node", r.stdout)
+    line = srun_line(r.stdout)
+    assert " --overlap " in line and " --nodes=16 --ntasks=16 --ntasks-per-node=1 " in line, line
+    assert "MODE=node" in line and line.rstrip().endswith("launch.sh config/big_context.py"), line
     r = launch(["config/big_context.py"], SLURM_STEP_ID="0", **base)
     assert r.returncode == 0 and "mode here: node" in r.stdout, r.stdout + r.stderr[-2000:]
-    r = launch(["config/big_context.py"], SLURM_STEP_ID="4294967294", **base)  # the batch script
-    assert "mode here: slurm" in r.stdout and "in the allocation: srun --nodes=16" in r.stdout
+    for step in ("4294967294", "4294967291", "4294967290", None):  # batch (old, new), interactive, no step
+        r = launch(["config/big_context.py"], **base, **({"SLURM_STEP_ID": step} if step else {}))
+        assert r.returncode == 0 and "mode here: slurm" in r.stdout, (step, r.stdout + r.stderr[-2000:])
+        line = srun_line(r.stdout)
+        assert " --nodes=16 --ntasks=16 " in line and "--overlap" not in line, (step, line)
 
 
 def test_dry_run_bad_input_is_a_clear_error():

@@ -133,8 +133,41 @@ def test_fsync_tree_flushes_every_file_and_directory(tmp_path, monkeypatch):
     synced, real = set(), os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.add(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
     train.fsync_tree(str(tmp_path))
-    files = {str(p) for p in tmp_path.rglob("*")} | {str(tmp_path)}
-    assert synced == files  # every file and every directory, nothing else
-    synced.clear()
-    train.fsync_tree(str(tmp_path), files=False)
-    assert synced == {str(tmp_path), str(tmp_path / "zero"), str(tmp_path / "zero" / "deeper")}
+    assert synced == {str(p) for p in tmp_path.rglob("*")} | {str(tmp_path)}  # every file and directory
+
+
+def test_checkpoint_is_on_disk_before_it_is_marked_complete(tmp_path, monkeypatch):
+    """save_checkpoint (a real FSDP2 engine, world 1) flushes every file of the checkpoint before it renames
+    COMPLETE into place, then flushes the rename and the checkpoint directory's own entry."""
+    import torch.distributed as dist
+    from model import MODELS
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+        cfg.update(strategy="fsdp2", grad_clip=0.0)
+        engine = train.FSDP2Engine(MODELS["tiny"](grid=(2, 2, 2), patch=(4, 4, 4)), cfg, 1e-3, torch.float32,
+                                   torch.device("cpu"))
+        events, real_fsync, real_replace = [], os.fsync, os.replace
+
+        def fsync(fd):
+            events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+            return real_fsync(fd)
+
+        def replace(a, b):
+            events.append(("replace", os.fspath(b)))
+            return real_replace(a, b)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "replace", replace)
+        train.save_checkpoint(engine, str(tmp_path), 5, {"step": 5, "config": cfg}, keep=2, rank=0)
+    finally:
+        dist.destroy_process_group()
+    step_dir = tmp_path / "step_0000005"
+    complete = events.index(("replace", str(step_dir / "COMPLETE")))
+    before = {p for kind, p in events[:complete] if kind == "fsync"}
+    files = {str(p) for p in step_dir.rglob("*") if p.is_file() and p.name != "COMPLETE"}
+    assert len(files) >= 3 and files <= before, (files - before, events)  # shards, metadata, client state
+    assert str(step_dir / "COMPLETE.tmp") in before  # the marker's own bytes
+    after = [p for kind, p in events[complete:] if kind == "fsync"]
+    assert after[:2] == [str(step_dir), str(tmp_path)], after
+    assert [s for s, _ in train.complete_checkpoints(str(tmp_path))] == [5]
