@@ -254,6 +254,16 @@ def gpu_check(argv):
     out.update(sdpa_fwd_ms=round(1000 * t_sdpa_f, 2), sdpa_fwdbwd_ms=round(1000 * t_sdpa_fb, 2),
                ring_sim_fwd_ms=round(1000 * t_sim_f, 2), ring_sim_fwdbwd_ms=round(1000 * t_sim_fb, 2),
                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2 ** 30, 2))
+    # the planner's memory terms where they were only read from the source: the GPU's allocator counters
+    # (separate processes, so this runs before anything below initialises DeepSpeed in this one)
+    try:
+        mrows, mworst = memory_check(GPU_MEMORY_CASES, device="cuda")
+        print("\nplanner's weight/gradient/optimizer memory vs torch.cuda allocator counters (1 GPU):")
+        memory_table(mrows)
+        out["gpu_memory_check_worst_rel_err"] = round(mworst, 4)
+    except (Exception, SystemExit) as e:  # report, do not hide the results above
+        out["gpu_memory_check"] = f"FAILED: {type(e).__name__}: {e}"
+        print(f"memory check on GPU FAILED: {e}")
     # and the whole training path on this GPU (NCCL, bf16, DeepSpeed ZeRO-2): the quickstart's steps
     try:
         out["quickstart_step"] = bench_step(["config/quickstart.py", "--out_dir=/tmp/gpu_check_run"])
@@ -628,7 +638,39 @@ def _memory_worker(argv):
     import data
     import train
     torch.set_num_threads(1)
-    # The profiler sees allocations made on this thread only; DeepSpeed's and gloo's threads free tensors too,
+    cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+    configurator.apply(cfg, argv)
+    train.validate(cfg)
+    steps = 3  # step 0 creates Adam's state; steps 1 and 2 are alike; we read step 2
+    if torch.cuda.is_available():  # on a GPU (bench.py gpu-check): the caching allocator's own counters
+        job = train.setup(cfg)
+        out = {}
+
+        def then_peak(f, name):  # run a phase, then read (and reset) the peak since the last reset
+            def wrapped(*a, **k):
+                r = f(*a, **k)
+                torch.cuda.synchronize()
+                out[name] = torch.cuda.max_memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                return r
+            return wrapped
+
+        job.engine.backward = then_peak(job.engine.backward, "peak in fwd/bwd")
+        job.engine.step = then_peak(job.engine.step, "peak in optimizer step")
+        batches = data.Prefetcher(job.sampler, 0, steps, depth=1, pin=True)
+        for s in range(steps):
+            torch.cuda.synchronize()
+            out["state between steps"] = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            train.train_step(job, s, batches)
+        batches.close()
+        job.sampler.close()
+        out["peak"] = max(out["peak in fwd/bwd"], out["peak in optimizer step"])
+        with open(f"{os.environ['MEMORY_OUT']}{job.rank}", "w") as f:
+            json.dump(out, f)
+        torch.distributed.destroy_process_group()
+        return
+    # On CPU there are no allocator counters. The profiler sees allocations made on this thread only; DeepSpeed's and gloo's threads free tensors too,
     # and those frees would be missed (the count would creep up step after step). This c10 flag makes the CPU
     # allocator keep its running total for every thread; the profiler's events then report that total.
     try:
@@ -637,10 +679,6 @@ def _memory_worker(argv):
     except (OSError, ValueError) as e:
         raise SystemExit(f"memory_check needs c10's FLAGS_caffe2_report_cpu_memory_usage (a CPU build of torch "
                          f"on Linux, as in requirements): {e}")
-    cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
-    configurator.apply(cfg, argv)
-    train.validate(cfg)
-    steps = 3  # step 0 creates Adam's state; steps 1 and 2 are alike; we read step 2
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         job = train.setup(cfg)
         for name in ("backward", "step"):  # mark the phases of a step
@@ -696,7 +734,13 @@ MEMORY_CASES = (  # (label, ranks, strategies, train.py overrides beyond MEMORY_
 )
 
 
-def memory_check(cases=MEMORY_CASES):
+GPU_MEMORY_CASES = (  # bench.py gpu-check: one GPU, bf16, where overlap_comm, foreach AdamW and NCCL are real
+    ("bf16, 1 GPU", 1, ("zero2", "zero3", "fsdp2"), ["--dtype=bfloat16"]),
+    ("bf16, 1 GPU, zero_bucket 5e7", 1, ("zero2", "zero3"), ["--dtype=bfloat16", "--zero_bucket=50000000"]),
+)
+
+
+def memory_check(cases=MEMORY_CASES, device="cpu"):
     """The planner's state terms (state_bytes) and its peak against what each strategy really allocates:
     2 or 4 CPU ranks of the quickstart data with the `small` model (24.6 M parameters) on a micro batch of 1
     (activations small beside the state), DeepSpeed buckets of 2e6 elements unless a case says otherwise
@@ -719,16 +763,18 @@ def memory_check(cases=MEMORY_CASES):
         grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
         with torch.device("meta"):
             m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"])
-        elem = 2 if cfg["dtype"] == "bfloat16" else 4  # 'auto' is fp32 on CPU
+        on_gpu = device == "cuda"
+        elem = 2 if cfg["dtype"] == "bfloat16" or (cfg["dtype"] == "auto" and on_gpu) else 4
         act = sum(activation_bytes(m, cfg["micro_batch"], 1, elem, cfg["grad_ckpt"]))
-        st = state_bytes(param_counts(m), strategy, ranks, elem, cfg, on_gpu=False)
+        st = state_bytes(param_counts(m), strategy, ranks, elem, cfg, on_gpu=on_gpu)
         planned = {"state between steps": st["persistent"],
                    "peak in fwd/bwd": st["persistent"] + st["held"] + max(act, st["grads"]),
                    "peak in optimizer step": st["persistent"] + st["opt"], "peak": peak_bytes(st, act)}
         with tempfile.TemporaryDirectory() as d:
             # CUDA hidden: on a GPU machine train.setup would otherwise train there, beyond this CPU count
-            env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="",
-                       MEMORY_OUT=os.path.join(d, "rank"))
+            env = dict(os.environ, OMP_NUM_THREADS="1", MEMORY_OUT=os.path.join(d, "rank"))
+            if not on_gpu:
+                env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
             r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                 f"--nproc_per_node={ranks}", os.path.join(here, "bench.py"), "_memory_worker",
                                 *base, *extra, f"--strategy={strategy}", f"--out_dir={os.path.join(d, 'o')}"],
