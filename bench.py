@@ -754,10 +754,11 @@ def memory_check(cases=MEMORY_CASES, device="cpu"):
     """The planner's state terms (state_bytes) and its peak against what each strategy really allocates:
     2 or 4 CPU ranks of the quickstart data with the `small` model (24.6 M parameters) on a micro batch of 1
     (activations small beside the state), DeepSpeed buckets of 2e6 elements unless a case says otherwise
-    (`cases`: MEMORY_CASES or some of them). Measured on every rank (the
-    largest is kept): the CPU allocator's running total (every tensor, every thread) at the start of step 2
-    (state between steps), its maximum during forward/backward, during the optimizer step, and overall.
-    Returns rows of {case, strategy, term, planner, measured} (bytes) and the worst relative error."""
+    (`cases`: MEMORY_CASES or some of them). Measured on every rank (the largest is kept): the CPU
+    allocator's running total (every tensor, every thread) at the start of step 2 (state between steps), its
+    maximum during forward/backward, during the optimizer step, and overall. device='cuda' (gpu-check): the
+    same on one GPU from torch.cuda's allocator counters, against the planner's GPU terms.
+    Returns rows of {case, strategy, term, planner, measured, error} (bytes) and the worst relative error."""
     import subprocess
     import tempfile
 
