@@ -526,22 +526,31 @@ def state_bytes(n, strategy, W, d, cfg, on_gpu=True):
     return {"persistent": persistent, "held": held, "grads": grads, "opt": opt}
 
 
-def peak_bytes(st, act):
-    """The most a rank holds in a step: persistent state, plus the larger of forward/backward (gathered weights
-    and buckets, and whichever is larger of the activations `act` and the gradients that replace them during
-    backward) and the optimizer step's temporaries."""
-    return st["persistent"] + max(st["held"] + max(act, st["grads"]), st["opt"])
+def step_bytes(st, act):
+    """What a rank holds over a step, in the terms memory_check measures: the state between steps, the peak in
+    forward/backward (gathered weights and buckets, plus whichever is larger of the activations `act` and the
+    gradients that replace them during backward), the peak in the optimizer step, and the larger peak."""
+    out = {"state between steps": st["persistent"],
+           "peak in fwd/bwd": st["persistent"] + st["held"] + max(act, st["grads"]),
+           "peak in optimizer step": st["persistent"] + st["opt"]}
+    out["peak"] = max(out["peak in fwd/bwd"], out["peak in optimizer step"])
+    return out
+
+
+def meta_model(cfg):
+    """The config's model.MAE on the meta device: its shapes and parameter counts, no memory."""
+    from model import MODELS
+    grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
+    with torch.device("meta"):
+        return MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
+                                         mask_strata=cfg["mask_strata"] or cfg["cp"])
 
 
 def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     """The analytic plan of config `cfg` (train.py's keys) on `world` GPUs of kind `gpu`."""
-    from model import MODELS
     g = GPUS[gpu]
-    grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
     cp = cfg["cp"]
-    with torch.device("meta"):
-        m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
-                                      mask_strata=cfg["mask_strata"] or cp)
+    m = meta_model(cfg)
     n = param_counts(m)
     P, W = n["P"], world
     elem = 4 if cfg["dtype"] == "float32" else 2  # 'auto' is bf16 on a GPU
@@ -552,7 +561,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     ring = 0.0
     if cp > 1:  # the ring holds a second K/V block in flight, and fp32 dk/dv accumulators in backward
         ring = max(4 * N * C * elem + 2 * 2 * N * C * 4 for N, C in (((m.n_keep() + 1) / cp, m.dim), (m.L / cp, m.dec_dim)))
-    mem = {k: (peak_bytes(st, act + ring) + workspace) / 1e9 for k, st in states.items()}
+    mem = {k: (step_bytes(st, act + ring)["peak"] + workspace) / 1e9 for k, st in states.items()}
     fps = m.flops_per_sample()
     sps = W * g["flops"] * mfu / fps
     # ring traffic per step per rank (all layers, fwd + bwd) and whether compute hides one hop
@@ -572,7 +581,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             "enc_tokens_per_rank": (m.n_keep() + 1) / cp, "dec_tokens_per_rank": m.L / cp,
             "flops_per_sample": fps, "mfu": mfu, "samples_per_s": sps,
             "mem_per_gpu_gb": round(mem[strategy], 2), "mem_by_strategy_gb": {k: round(v, 2) for k, v in mem.items()},
-            "states_gb": {k: round(peak_bytes(st, 0) / 1e9, 2) for k, st in states.items()},
+            "states_gb": {k: round(step_bytes(st, 0)["peak"] / 1e9, 2) for k, st in states.items()},
             "activations_gb": round(act / 1e9, 2), "activations_other_ckpt_gb": round(act_other / 1e9, 2),
             "ring_gb_per_step_per_rank": round(ring_bytes / 1e9, 2), "ring_hidden_by_compute": hidden,
             "s3_gb_per_s_per_node": round(s3_node / 1e9, 3), "strategy": strategy, "grad_ckpt": cfg["grad_ckpt"],
@@ -762,7 +771,6 @@ def memory_check(cases=MEMORY_CASES, device="cpu"):
     import subprocess
     import tempfile
 
-    from model import MODELS
     import configurator
     import train
     here = os.path.dirname(os.path.abspath(__file__))
@@ -772,15 +780,10 @@ def memory_check(cases=MEMORY_CASES, device="cpu"):
     def run(ranks, strategy, extra):  # -> (measured, planned): dicts of the four terms, in bytes
         cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
         configurator.apply(cfg, base + extra)
-        grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
-        with torch.device("meta"):
-            m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"])
+        m = meta_model(cfg)
         elem = 2 if cfg["dtype"] == "bfloat16" or (cfg["dtype"] == "auto" and on_gpu) else 4
         act = sum(activation_bytes(m, cfg["micro_batch"], 1, elem, cfg["grad_ckpt"]))
-        st = state_bytes(param_counts(m), strategy, ranks, elem, cfg, on_gpu=on_gpu)
-        planned = {"state between steps": st["persistent"],
-                   "peak in fwd/bwd": st["persistent"] + st["held"] + max(act, st["grads"]),
-                   "peak in optimizer step": st["persistent"] + st["opt"], "peak": peak_bytes(st, act)}
+        planned = step_bytes(state_bytes(param_counts(m), strategy, ranks, elem, cfg, on_gpu=on_gpu), act)
         with tempfile.TemporaryDirectory() as d:
             env = dict(os.environ, OMP_NUM_THREADS="1", MEMORY_OUT=os.path.join(d, "rank"))
             if not on_gpu:  # CUDA hidden: on a GPU machine train.setup would otherwise train there
