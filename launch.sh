@@ -1,27 +1,38 @@
 #!/usr/bin/env bash
 # Launch train.py:   bash launch.sh CONFIG [--key=value ...]
 #
-# The mode is chosen automatically (MODE=... overrides):
+# The mode is chosen automatically (MODE=local|slurm|hostfile overrides):
 #   local      one machine: torchrun --standalone, one rank per GPU, or NPROC CPU ranks (default 2) without GPU
 #   slurm      outside an allocation (sbatch on PATH, nodes > 1 in the config): submits itself with sbatch for
 #              the config's node count. Inside the allocation (the batch script, an salloc shell, or an
 #              interactive `srun --pty bash`, whose resources the new step shares: --overlap, Slurm >= 20.11):
-#              srun starts one `node` task per node (with --auto-resume=1 on SageMaker HyperPod), each
+#              ONE srun step starts one node task per node (with --auto-resume=1 on SageMaker HyperPod), each
 #              writing its own log.
-#   hostfile   HOSTFILE=path (one host per line; the first is the head): ssh starts one `node` on each host
-#              (a host named 127.0.0.1 or localhost runs here without ssh: how the tests simulate 2 nodes)
+#   hostfile   HOSTFILE=path (one host per line; the first is the head): ssh starts one node on each host
+#              (a host named 127.0.0.1 or localhost runs here without ssh)
 #   node       what runs on each node: torchrun with c10d rendezvous on the head node. Under SLURM the head is
-#              computed here, inside the step, because HyperPod re-runs the step on replaced nodes.
+#              computed there, inside the step, because HyperPod re-runs the step on replaced nodes.
+#
+# How a node is started, and why it cannot start anything itself: srun and ssh run `launch.sh --node CONFIG ...`.
+# The --node argument, not the environment, makes a node: a node runs torchrun and nothing else, so it can
+# never start srun again, whatever it inherits. (It once did: SLURM's `srun --export=ALL,MODE=node` keeps an
+# inherited MODE, because with ALL "the user environment takes precedence over any explicitly given
+# variables" (srun(1)), and every node started another step, recursively.) What a node needs from here it
+# gets on its command line as `env NAME=value`, which sets the value in the task itself: the interpreter and
+# the repository as absolute paths resolved here (a remote login shell has another PATH), NPROC, PORT, HEAD.
+#
 # DRY_RUN=1: print the environment and the exact command every node would run, for the config's node count,
 # then run train.py's validation and the memory planner only (no GPU, no data, no training).
 #
 # Knobs: NPROC (ranks per node; default: the config's gpus_per_node, else every GPU, else 2 on CPU),
 # THREADS (CPU threads per rank), PYTHON (interpreter; default python3 on PATH), PORT (rendezvous, 29500),
-# LOG_DIR (per-node logs, default logs/).
+# LOG_DIR (per-node logs, default logs/), SSH_OPTS (extra ssh options in hostfile mode, e.g. "-p 2222"),
+# HYPERPOD (1/0: SageMaker HyperPod's srun --auto-resume; default: 1 where /opt/sagemaker_cluster exists).
 set -euo pipefail
-# the repository: under sbatch, $0 is a copy in slurmd's spool directory, so the submitting call passes the
-# real location down in LAUNCH_ROOT
-ROOT=${LAUNCH_ROOT:-$(cd "$(dirname "$0")" && pwd)}
+NODE=0
+if [ "${1:-}" = "--node" ]; then NODE=1; shift; fi  # started by launch.sh itself on one node (see above)
+# the repository: this file's folder (sbatch runs `bash /abs/path/launch.sh`, never a spool copy of it)
+ROOT=$(cd "$(dirname "$0")" && pwd)
 cd "$ROOT"
 
 if [ $# -lt 1 ]; then
@@ -33,7 +44,15 @@ if [ ! -f "$1" ]; then
   exit 2
 fi
 
+# the interpreter as an absolute path, resolved here, so that every node runs this one (the README's venv, say),
+# not whatever python3 a remote login shell finds first. Not through symlinks: a venv's python3 is a symlink,
+# and resolving it would leave the venv.
 PYTHON=${PYTHON:-python3}
+if [[ "$PYTHON" != /* ]]; then
+  P=$(command -v "$PYTHON") || { echo "error: PYTHON='$PYTHON' is not on PATH: activate the venv or set PYTHON=/abs/path/python3" >&2; exit 2; }
+  [[ "$P" == /* ]] || P="$PWD/$P"  # a relative PATH entry
+  PYTHON=$P
+fi
 PORT=${PORT:-29500}
 LOG_DIR=${LOG_DIR:-logs}
 NGPU=0
@@ -46,6 +65,7 @@ if [ "$NGPU" -eq 0 ]; then export DS_ACCELERATOR=cpu; fi
 PLAN=$(NPROC=${NPROC:-2} "$PYTHON" train.py "$@" --dry_run=True 2>&1) || { echo "$PLAN" >&2; exit 2; }
 NODES=$(echo "$PLAN" | sed -n 's/^LAUNCH nodes=\([0-9]*\).*/\1/p')
 GPN=$(echo "$PLAN" | sed -n 's/^LAUNCH .*gpus_per_node=\([0-9]*\).*/\1/p')
+CONFIG_GPUS=$(echo "$PLAN" | sed -n 's/^LAUNCH .*config_gpus=\([0-9]*\).*/\1/p')
 NPROC=${NPROC:-$GPN}
 
 # Inside an srun step (a numeric SLURM_STEP_ID: not the batch script, not salloc's interactive step):
@@ -53,15 +73,23 @@ IN_STEP=0
 if [ -n "${SLURM_JOB_ID:-}" ] && [[ "${SLURM_STEP_ID:-}" =~ ^[0-9]+$ ]] && [ "${SLURM_STEP_ID}" -lt 4294967290 ]; then
   IN_STEP=1
 fi
-if [ -z "${MODE:-}" ]; then
-  # our own srun passes MODE=node; a step with a terminal (srun --pty bash) is a user's interactive shell:
-  # start the node steps from there, as from the batch script; any other step is one task per node: a node
-  if [ "$IN_STEP" = 1 ] && [ -z "${SLURM_PTY_PORT:-}" ]; then MODE=node
-  elif [ -n "${SLURM_JOB_ID:-}" ]; then MODE=slurm                  # inside an allocation: start the steps
-  elif [ -n "${HOSTFILE:-}" ]; then MODE=hostfile
-  elif [ "$NODES" -gt 1 ] && command -v sbatch >/dev/null 2>&1; then MODE=slurm
-  else MODE=local
-  fi
+if [ "$NODE" = 1 ]; then
+  MODE=node
+elif [ -n "${MODE:-}" ]; then
+  case "$MODE" in local|slurm|hostfile) ;; *)
+    echo "error: unknown MODE='$MODE' (known: local, slurm, hostfile; nodes are started by launch.sh itself)" >&2
+    exit 2 ;;
+  esac
+elif [ "$IN_STEP" = 1 ] && [ -z "${SLURM_PTY_PORT:-}" ]; then
+  MODE=node   # a user's own `srun --ntasks-per-node=1 bash launch.sh ...`: one task per node, each a node
+elif [ -n "${SLURM_JOB_ID:-}" ]; then
+  MODE=slurm  # the batch script, an salloc shell, or an interactive step (srun --pty bash): start the step
+elif [ -n "${HOSTFILE:-}" ]; then
+  MODE=hostfile
+elif [ "$NODES" -gt 1 ] && command -v sbatch >/dev/null 2>&1; then
+  MODE=slurm
+else
+  MODE=local
 fi
 
 # ---- environment for multi-node GPU jobs (AWS P5 / EFA), each with its reason. NCCL_ALGO and NCCL_PROTO are
@@ -100,20 +128,48 @@ node_cmd() {  # $1 = head address, then train.py's arguments
        "--rdzv_endpoint=$head:$PORT --rdzv_id=${SLURM_JOB_ID:-${RDZV_ID:-mae}} --max_restarts=0 train.py $(printf '%q ' "$@")"
 }
 
-# the step that starts one node per host of the allocation (slurm mode)
+# GPUs per node that SLURM schedules as gres (`Gres=gpu:h200:8` in slurm.conf), 0 where it schedules none: CPU
+# nodes, and clusters (HyperPod among them) whose GPUs are not gres, where --exclusive already gives the job
+# the whole node. Asking for gres there is an error ("Invalid generic resource (gres) specification").
+# $1 = a node list (inside an allocation), or empty: the partition sbatch will use (SBATCH_PARTITION or the default)
+slurm_gres_gpus() {
+  local lines g
+  if [ -n "${1:-}" ]; then lines=$(sinfo -h -N -n "$1" -o '%G' 2>/dev/null || true)
+  else
+    lines=$(sinfo -h -o '%P %G' 2>/dev/null || true)
+    if [ -n "${SBATCH_PARTITION:-}" ]; then lines=$(echo "$lines" | awk -v p="$SBATCH_PARTITION" '$1 == p {print $2}')
+    else lines=$(echo "$lines" | awk '$1 ~ /\*$/ {print $2}'); fi
+  fi
+  g=$(echo "$lines" | grep -o 'gpu[^,(]*' | sed -n 1p)  # gpu | gpu:8 | gpu:h200:8
+  if [ -z "$g" ]; then echo 0; elif [[ "${g##*:}" =~ ^[0-9]+$ ]]; then echo "${g##*:}"; else echo 1; fi
+}
+# Ask for GPUs only where SLURM schedules them: the config's gpus_per_node, else every gres GPU of a node.
+slurm_gpu_flag() {  # $1 = node list or empty, as above
+  local n; n=$(slurm_gres_gpus "${1:-}")
+  if [ "$n" -gt 0 ]; then echo " --gpus-per-node=$([ "$CONFIG_GPUS" -gt 0 ] && echo "$CONFIG_GPUS" || echo "$n")"; fi
+}
+
+# the one step that starts one node per host of the allocation (slurm mode)
 srun_cmd() {  # train.py's arguments
   local extra=""
-  if [ -d /opt/sagemaker_cluster ]; then extra+=" --auto-resume=1"; fi  # HyperPod: replace bad nodes, rerun
+  if [ "${HYPERPOD:-$([ -d /opt/sagemaker_cluster ] && echo 1 || echo 0)}" = 1 ]; then
+    extra+=" --auto-resume=1"  # HyperPod's srun: replace a faulty node and run the step again
+  fi
   # from an interactive step (srun --pty bash), that step holds the allocation's resources: share them
   # (--overlap: Slurm >= 20.11)
   if [ "$IN_STEP" = 1 ]; then extra+=" --overlap"; fi
-  # one task per node; each node's output in its own log (%t = node index within the step). --cpu-bind=none:
-  # the one task per node starts 8 ranks, which must not share the task's single core
-  # --ntasks explicitly: srun would otherwise take the enclosing step's or salloc's SLURM_NTASKS as its own
-  echo "srun$extra --nodes=$NODES --ntasks=$NODES --ntasks-per-node=1 --gpus-per-node=$NPROC --cpu-bind=none" \
-       "--kill-on-bad-exit=1" \
-       "--output=$(printf '%q' "$LOG_DIR/node_%t.log") --export=ALL,MODE=node,LAUNCH_ROOT=$(printf '%q' "$ROOT")" \
-       "bash $(printf '%q' "$ROOT/launch.sh") $(printf '%q ' "$@")"
+  extra+=$(slurm_gpu_flag "${SLURM_JOB_NODELIST:-}")
+  # --cpu-bind=none: the one task per node starts NPROC ranks, which must not share the task's single core. Only
+  # where a task plugin binds at all (task/affinity, task/cgroup); with task/none srun would warn about it.
+  if scontrol show config 2>/dev/null | grep -E '^TaskPlugin ' | grep -qE 'affinity|cgroup'; then
+    extra+=" --cpu-bind=none"
+  fi
+  # one task per node, each node's output in its own log (%t = node index within the step); --ntasks explicitly:
+  # srun would otherwise take the enclosing step's or salloc's SLURM_NTASKS as its own
+  echo "srun$extra --nodes=$NODES --ntasks=$NODES --ntasks-per-node=1 --kill-on-bad-exit=1" \
+       "--output=$(printf '%q' "$LOG_DIR/node_%t.log")" \
+       "env HEAD= PYTHON=$(printf '%q' "$PYTHON") NPROC=$NPROC PORT=$PORT" \
+       "bash $(printf '%q' "$ROOT/launch.sh") --node $(printf '%q ' "$@")"
 }
 
 if [ "${DRY_RUN:-0}" = "1" ]; then
@@ -145,9 +201,12 @@ case "$MODE" in
   slurm)
     if [ -z "${SLURM_JOB_ID:-}" ]; then  # not in an allocation yet: submit this script for the config's nodes
       mkdir -p "$LOG_DIR"
-      exec sbatch --job-name=seismic-mae --nodes="$NODES" --ntasks-per-node=1 --gpus-per-node="$NPROC" --exclusive \
-        --chdir="$ROOT" --output="$LOG_DIR/%x_%j.out" --export=ALL,MODE=slurm,LAUNCH_ROOT="$ROOT" \
-        "$ROOT/launch.sh" "$@"
+      # the job runs `bash /abs/path/launch.sh ...` in the repository (--wrap: no copy of this file in slurmd's
+      # spool), which finds itself in the allocation and starts the step. No --export: the job takes this
+      # environment as it is (sbatch's default), and nothing in it can make the batch script a node.
+      exec sbatch --job-name=seismic-mae --nodes="$NODES" --ntasks-per-node=1$(slurm_gpu_flag "") --exclusive \
+        --chdir="$ROOT" --output="$LOG_DIR/%x_%j.out" \
+        --wrap="exec env PYTHON=$(printf '%q' "$PYTHON") bash $(printf '%q' "$ROOT/launch.sh") $(printf '%q ' "$@")"
     fi
     if [ "${SLURM_JOB_NUM_NODES:-1}" -lt "$NODES" ]; then
       echo "error: the config asks for $NODES nodes but this allocation has ${SLURM_JOB_NUM_NODES:-1}" >&2
@@ -160,9 +219,12 @@ case "$MODE" in
     eval "exec $(srun_cmd "$@")"
     ;;
   node)
-    if [ -z "${HEAD:-}" ]; then  # under SLURM: the head is the first host of the (possibly replaced) node list
+    if [ -z "${HEAD:-}" ]; then  # under SLURM: the head is the first host of the (possibly replaced) node list,
+      # at the address SLURM reaches it by (NodeAddr: the node's name unless slurm.conf says otherwise)
       # (sed, not head: head would close the pipe early, and under pipefail scontrol's SIGPIPE kills the step)
-      HEAD=$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | sed -n 1p)
+      first=$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | sed -n 1p)
+      HEAD=$(scontrol -o show node "$first" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | sed -n 's/^NodeAddr=//p')
+      HEAD=${HEAD:-$first}
     fi
     echo "launch.sh: node ${SLURM_NODEID:-${NODE_RANK:-?}} of $NODES, head $HEAD:$PORT, $NPROC rank(s)" >&2
     eval "exec $(node_cmd "$HEAD" "$@")"
@@ -179,13 +241,15 @@ case "$MODE" in
     pids=()
     for ((i = 0; i < NODES; i++)); do
       host=${HOSTS[$i]}
-      cmd="cd $(printf '%q' "$PWD") && MODE=node HEAD=$HEAD NODE_RANK=$i NPROC=$NPROC PORT=$PORT RDZV_ID=${RDZV_ID:-mae$$} PYTHON=$PYTHON bash launch.sh $ARGS"
+      cmd="cd $(printf '%q' "$ROOT") && env HEAD=$HEAD NODE_RANK=$i NPROC=$NPROC PORT=$PORT RDZV_ID=${RDZV_ID:-mae$$}"
+      cmd+=" PYTHON=$(printf '%q' "$PYTHON") bash $(printf '%q' "$ROOT/launch.sh") --node $ARGS"
       # each node in its own process group (setsid), so that stopping it stops its ranks too
       if [ "$host" = "127.0.0.1" ] || [ "$host" = "localhost" ]; then
         setsid bash -c "$cmd" > "$LOG_DIR/node_$i.log" 2>&1 &
       else
         # -tt: closing this ssh hangs up the remote shell, so a stopped node does not leave its ranks running
-        setsid ssh -tt -o BatchMode=yes "$host" "$cmd" > "$LOG_DIR/node_$i.log" 2>&1 &
+        # shellcheck disable=SC2086  # SSH_OPTS: words
+        setsid ssh -tt -o BatchMode=yes ${SSH_OPTS:-} "$host" "$cmd" > "$LOG_DIR/node_$i.log" 2>&1 &
       fi
       pids+=($!)
     done
@@ -207,9 +271,5 @@ case "$MODE" in
       wait || true
       exit "$rc"
     fi
-    ;;
-  *)
-    echo "error: unknown MODE='$MODE' (known: local, slurm, node, hostfile)" >&2
-    exit 2
     ;;
 esac

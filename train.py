@@ -460,7 +460,7 @@ def check_launch(cfg):
     import bench
     gpn = cfg["gpus_per_node"] or torch.cuda.device_count() or int(os.environ.get("NPROC", "2"))
     world, cp = cfg["nodes"] * gpn, cfg["cp"]
-    print(f"LAUNCH nodes={cfg['nodes']} gpus_per_node={gpn} world={world}")
+    print(f"LAUNCH nodes={cfg['nodes']} gpus_per_node={gpn} world={world} config_gpus={cfg['gpus_per_node']}")
     allocated = os.environ.get("SLURM_JOB_NUM_NODES")
     if allocated and cfg["nodes"] > int(allocated):
         raise configurator.ConfigError(f"the config asks for nodes={cfg['nodes']} but this SLURM allocation has "
