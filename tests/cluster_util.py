@@ -56,9 +56,9 @@ class Cluster:
     """munged + slurmctld + two slurmd (n1, n2) under `root_dir`. `cpus` per node: the nodes share this
     machine's cores; SLURM only counts them."""
 
-    def __init__(self, root_dir, cpus=2, ports=None):
+    def __init__(self, root_dir, cpus=2, gpus=0, ports=None):
         self.dir = os.path.abspath(root_dir)
-        self.cpus = cpus
+        self.cpus, self.gpus = cpus, gpus
         # slurmctld's port and one per slurmd; free ports (the issue's 17001/17002 when they are free)
         self.ports = ports or [_free_port(), _free_port(), _free_port()]
         self.procs = []
@@ -69,14 +69,23 @@ class Cluster:
 
     def _write_conf(self):
         d = self.dir
-        for sub in ("state", "spool", "log", "run", "munge"):
+        for sub in ("state", "spool", "spool/n1", "spool/n2", "log", "run", "munge"):
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         os.chmod(os.path.join(d, "munge"), 0o700)
         ctl, p1, p2 = self.ports
+        # gpus > 0: each node advertises that many GPUs as gres (count only, no device files: nothing here is a
+        # GPU), so that launch.sh's GPU requests meet a scheduler that checks them
+        gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
+        # (slurmd counts a GPU per File; plain files stand for the devices: task/none constrains nothing)
+        for i in range(self.gpus):
+            open(os.path.join(d, f"gpu{i}"), "a").close()
+        with open(os.path.join(d, "gres.conf"), "w") as f:
+            f.write(f"NodeName=n[1-2] Name=gpu File={d}/gpu[0-{self.gpus - 1}]\n" if self.gpus else "")
         # proctrack/linuxproc + task/none: no cgroups needed (containers rarely allow them); the tasks of a
         # step are tracked through their parent process ids, which is what scancel relies on here
         conf = f"""\
 ClusterName=local
+GresTypes={"gpu" if self.gpus else ""}
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctl}
 SlurmUser=root
@@ -108,8 +117,8 @@ KillWait=10
 MinJobAge=600
 SlurmctldDebug=info
 SlurmdDebug=info
-NodeName=n1 NodeAddr=127.0.0.1 NodeHostname=localhost Port={p1} CPUs={self.cpus} RealMemory=4000 State=UNKNOWN
-NodeName=n2 NodeAddr=127.0.0.1 NodeHostname=localhost Port={p2} CPUs={self.cpus} RealMemory=4000 State=UNKNOWN
+NodeName=n1 NodeAddr=127.0.0.1 NodeHostname=localhost Port={p1} CPUs={self.cpus} RealMemory=4000{gres} State=UNKNOWN
+NodeName=n2 NodeAddr=127.0.0.1 NodeHostname=localhost Port={p2} CPUs={self.cpus} RealMemory=4000{gres} State=UNKNOWN
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """
         with open(self.conf, "w") as f:

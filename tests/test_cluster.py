@@ -111,6 +111,35 @@ def test_sbatch_from_outside_an_allocation_runs_one_step_and_follows_one_node(sl
     _assert_follows(one_node, tmp_path / "out")
 
 
+def test_gpus_asked_only_where_slurm_schedules_them(small_store, tmp_path):
+    """On nodes that advertise GPUs as gres (here 2 per node; plain files stand for the devices) the job and the
+    node step ask for them: an --exclusive job alone gives a step no gres (srun(1): "except those implicitly
+    requested when a job is exclusive"). The CPU-node case is every other test in this file."""
+    _need(["slurmctld", "slurmd", "sbatch", "munged"])
+    c = cluster_util.Cluster(str(tmp_path / "slurm_gpu"), gpus=2).start()
+    try:
+        args = small_args(small_store, tmp_path / "out", max_steps=2, cp=2)
+        r = subprocess.run(["bash", "launch.sh", "config/quickstart.py", *args, "--make_synthetic=False", "--nodes=2"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           env=c.env(**_env(NPROC="2", LOG_DIR=str(tmp_path / "logs"), PORT="29657")))
+        assert r.returncode == 0, r.stdout + r.stderr
+        job = re.search(r"Submitted batch job (\d+)", r.stdout).group(1)
+        assert "gres:gpu:2" in c.job(job).get("TresPerNode", ""), c.job(job)
+        step = []
+
+        def poll():
+            s = subprocess.run(["scontrol", "-o", "show", "step", f"{job}.0"], env=c.env(), capture_output=True,
+                               text=True).stdout
+            if "StepId" in s:
+                step.append(s)
+        state = c.wait_job(job, poll=poll)
+        assert state["JobState"] == "COMPLETED", (state, (tmp_path / "logs" / f"seismic-mae_{job}.out").read_text())
+        assert step and "TresPerNode=gres:gpu:2" in step[0], step[:1]  # the node step holds 2 GPUs per node
+        assert len(read_log(tmp_path / "out")) == 2
+    finally:
+        c.stop()
+
+
 def test_inside_salloc_and_from_an_interactive_step(slurm, common, one_node, tmp_path):
     """Inside `salloc -N2` (a shell on the login node, no step) and from `srun --pty` (an interactive step, whose
     SLURM_PTY_PORT the node tasks inherit: they must not take themselves for one): one node step each."""
