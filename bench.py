@@ -15,7 +15,6 @@ measured together are what carry over.
 import json
 import math
 import os
-import shutil
 import sys
 import time
 
@@ -51,13 +50,12 @@ def matmul_flops(device, dtype, n=2048, iters=10):
 def bench_step(argv, warmup=3, steps=10):
     """Time `steps` training steps of a config after `warmup` untimed ones, in one process."""
     import configurator
-    import data
     import train
     cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
     configurator.apply(cfg, argv)
     train.validate(cfg)
     job = train.setup(cfg)
-    batches = data.Prefetcher(job.sampler, 0, warmup + steps)
+    batches = train.micro_batches(job, 0, warmup + steps)
     sync = torch.cuda.synchronize if job.on_gpu else (lambda: None)
     try:
         for s in range(warmup):
@@ -124,13 +122,13 @@ def _attention_worker(rank, world, port, variant, B, H, N, D, iters, out_path):
     for _ in range(iters):
         if variant != "sdpa":
             dist.barrier()
-        RA.STATS["comm_wait_s"] = 0.0
+        RA.comm_wait_s(reset=True)
         t = time.perf_counter()
         o = fn(q, k, v)
         if backward:
             o.backward(dout)
         times.append(time.perf_counter() - t)
-        waits.append(RA.STATS["comm_wait_s"])
+        waits.append(RA.comm_wait_s())
         del o
         q.grad = k.grad = v.grad = None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base  # above the process baseline
@@ -436,12 +434,15 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt):
       per token: LayerNorm inputs (2C), qkv input (C), q, k, v (3C) and output (C) of the fused attention
       (+ its fp32 log-sum-exp, 4H bytes), proj input (C), fc1 input (C), GELU input (4C), fc2 input (4C) =
       17C. With checkpointing only each block's input (C) stays. Around the blocks: the visible patches, the
-      inputs of the final norms, decoder_embed and the head, gather indices; the loss keeps one fp32 P-wide
-      difference per decoder token.
+      inputs of the final norms, decoder_embed and the head, gather indices; the loss (model.mae_loss) keeps
+      one fp32 P-wide difference per MASKED token (nm of them: only masked patches go through the error).
     transient: the largest short-lived working set on top: with checkpointing one block recomputed in
-      backward (17C per token); the head's predictions (elem + fp32 copy), fp32 targets and squared errors;
-      the input slab in fp32 and in the compute dtype, and its patchified copy."""
+      backward (17C per token); the head's predictions for all tokens (elem), and for the masked ones their
+      gathered copy and its fp32 cast, the gathered targets and their fp32 cast, the squared error (in
+      backward the same sizes again, scattered back into an all-token gradient); the input slab in fp32 and in
+      the compute dtype, and its patchified copy."""
     ne, nd = (m.n_keep() + 1) / cp, m.L / cp
+    nm = (m.L - m.n_keep()) / cp  # masked tokens on this rank
     persistent, recompute = 0.0, 0.0
     for blocks, N, C in ((m.blocks, ne, m.dim), (m.decoder_blocks, nd, m.dec_dim)):
         if not len(blocks):
@@ -449,11 +450,11 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt):
         per_block = BLOCK_SAVED * C * N * elem + 4 * blocks[0].heads * N
         persistent += len(blocks) * (C * N * elem if ckpt else per_block)
         recompute = max(recompute, per_block if ckpt else 0.0)
-    persistent += nd * m.P * 4
+    persistent += nm * m.P * 4
     # around the blocks: visible patches (patch_embed input), final norm and decoder_embed inputs, decoder norm
     # and head inputs, and the int64 gather indices
-    persistent += (ne * (m.P + 2 * m.dim) + nd * 2 * m.dec_dim) * elem + (ne + nd) * 8
-    transient = recompute + nd * m.P * (elem + 4 + 4 + 4) + nd * m.P * (4 + 2 * elem)
+    persistent += (ne * (m.P + 2 * m.dim) + nd * 2 * m.dec_dim) * elem + (ne + nd + nm) * 8
+    transient = recompute + nd * m.P * elem + nm * m.P * (2 * elem + 3 * 4) + nd * m.P * (4 + 2 * elem)
     return micro_batch * persistent, micro_batch * transient
 
 
@@ -646,7 +647,6 @@ def _memory_worker(argv):
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import configurator
-    import data
     import train
     torch.set_num_threads(1)
     cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
@@ -668,7 +668,7 @@ def _memory_worker(argv):
 
         job.engine.backward = then_peak(job.engine.backward, "peak in fwd/bwd")
         job.engine.step = then_peak(job.engine.step, "peak in optimizer step")
-        batches = data.Prefetcher(job.sampler, 0, steps, depth=1, pin=True)
+        batches = train.micro_batches(job, 0, steps, depth=1)
         for s in range(steps):
             torch.cuda.synchronize()
             # cuBLAS keeps a workspace per thread and stream in the caching allocator (the forward's and
@@ -705,7 +705,7 @@ def _memory_worker(argv):
                 with record_function("phase_" + _n):
                     return _f(*a, **k)
             setattr(job.engine, name, marked)
-        batches = data.Prefetcher(job.sampler, 0, steps, depth=1)
+        batches = train.micro_batches(job, 0, steps, depth=1)
         for s in range(steps):
             with record_function(f"step_{s}"):
                 train.train_step(job, s, batches)
@@ -869,25 +869,30 @@ def bench_plan(argv):
 PUBLISHED = {"zero2": 1974, "fsdp2": 1833, "zero3": 869}
 
 
+def run_2ranks(argv, out, script="train.py", env=None):
+    """train.py (or a wrapper of it, as the tests' train_hooks.py) on 2 CPU ranks (gloo, 1 thread each), writing to
+    out. Returns (its log.jsonl rows, its stdout)."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    e = dict(env or os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(here, script), *argv, f"--out_dir={out}"],
+                       env=e, capture_output=True, text=True, cwd=here)
+    if r.returncode != 0:
+        print(r.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{script} {' '.join(argv)} failed")
+    return [json.loads(x) for x in open(os.path.join(out, "log.jsonl"))], r.stdout
+
+
 def bench_strategies(argv, steps=40, warmup=10):
     import statistics
-    import subprocess
     import tempfile
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     res = {}
     with tempfile.TemporaryDirectory() as d:
         for strategy in ("zero2", "fsdp2", "zero3"):
-            out = os.path.join(d, strategy)
-            r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                os.path.join(here, "train.py"), *argv, f"--strategy={strategy}", f"--out_dir={out}",
-                                f"--max_steps={steps}", f"--ckpt_interval={10 ** 6}", "--log_interval=1000"],
-                               env=env, capture_output=True, text=True, cwd=here)
-            if r.returncode != 0:
-                print(r.stderr[-3000:], file=sys.stderr)
-                raise SystemExit(f"{strategy} failed")
-            log = [json.loads(x) for x in open(os.path.join(out, "log.jsonl"))]
-            gb = int(r.stdout.split("global batch ")[1].split()[0])
+            log, stdout = run_2ranks([*argv, f"--strategy={strategy}", f"--max_steps={steps}",
+                                      f"--ckpt_interval={10 ** 6}", "--log_interval=1000"], os.path.join(d, strategy))
+            gb = int(stdout.split("global batch ")[1].split()[0])
             step_s = statistics.median(x["step_s"] for x in log[warmup:])
             res[strategy] = {"samples_per_s": gb / step_s, "ms_per_step": 1000 * step_s, "final_loss": log[-1]["loss"]}
     rows = []
@@ -904,11 +909,46 @@ def bench_strategies(argv, steps=40, warmup=10):
             **{f"{k}_final_loss": v["final_loss"] for k, v in res.items()}}
 
 
+def dtype_runs(argv, root, steps=40, script="train.py", env_for=None):
+    """The config for `steps` steps on 2 CPU ranks: in fp32 (zero2: in fp32 the strategies agree to 1e-5, tested),
+    then in bf16 under zero2, zero3 and fsdp2, each into root/NAME. env_for(NAME): the environment of that run.
+    Returns {NAME: [loss per step]}."""
+    runs = {"fp32": ["--dtype=float32", "--strategy=zero2"],
+            **{s: ["--dtype=bfloat16", f"--strategy={s}"] for s in ("zero2", "zero3", "fsdp2")}}
+    out = {}
+    for name, extra in runs.items():
+        log, _ = run_2ranks([*argv, *extra, f"--max_steps={steps}", f"--ckpt_interval={10 ** 6}", "--log_interval=1000"],
+                            os.path.join(root, name), script, env_for(name) if env_for else None)
+        out[name] = [x["loss"] for x in log]
+    return out
+
+
+def rel_deviation(a, ref):
+    """(mean, max) over steps of |a - ref| / |ref|."""
+    d = [abs(x - y) / abs(y) for x, y in zip(a, ref)]
+    return sum(d) / len(d), max(d)
+
+
+def bench_bf16(argv, steps=40):
+    """How far bf16 training strays from fp32, per strategy: the same steps, samples and masks in both."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        losses = dtype_runs(argv, d, steps)
+    dev = {s: rel_deviation(losses[s], losses["fp32"]) for s in ("zero2", "zero3", "fsdp2")}
+    rows = [[s, f"{m:.2e}", f"{mx:.2e}", f"{m / dev['fsdp2'][0]:.2f}", f"{losses[s][-1]:.6f}"] for s, (m, mx) in dev.items()]
+    print(f"{argv[0] if argv else 'defaults'}: {steps} steps on 2 CPU ranks, bf16 against the same run in fp32 "
+          f"(loss at the last step in fp32: {losses['fp32'][-1]:.6f})")
+    table(rows, ["strategy (bf16)", "mean |rel. dev.| from fp32", "max", "vs fsdp2", "loss at last step"])
+    return {"bench": "bf16", "config": argv[0] if argv else None, "steps": steps,
+            **{f"{s}_mean_rel_dev": float(f"{m:.3e}") for s, (m, _) in dev.items()}}
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_memory_worker"]:  # one rank of memory_check
         _memory_worker(sys.argv[2:])
         sys.exit(0)
-    cmds = {"strategies": bench_strategies, "plan": bench_plan, "step": bench_step, "attention": bench_attention, "gpu-check": gpu_check, "data": bench_data}
+    cmds = {"strategies": bench_strategies, "plan": bench_plan, "step": bench_step, "attention": bench_attention, "gpu-check": gpu_check, "data": bench_data,
+            "bf16": bench_bf16}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(f"usage: python bench.py {{{'|'.join(cmds)}}} [CONFIG] [--key=value ...]", file=sys.stderr)
         sys.exit(2)

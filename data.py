@@ -476,13 +476,14 @@ def mask_noise(seed, ids, L, cp_rank=0, cp_size=1):
 class Prefetcher:
     """Iterator over the micro batches of steps [start, end), read `depth` micro batches ahead by a pool
     of threads so that reading and decompressing overlap the model's compute (zarr's codecs and numpy
-    release the GIL). Yields what Sampler.batch returns, in order. pin: put each batch in pinned host
-    memory, so that the copy to the GPU can be asynchronous. close() cancels and joins the threads."""
+    release the GIL). Yields prepare(*Sampler.batch(...)) in order (Sampler.batch's (x, ids) without
+    prepare): train.py's prepare makes the mask and casts and pins the batch in these threads, so that the
+    training thread only starts an asynchronous copy. close() cancels and joins the threads."""
 
-    def __init__(self, sampler, start, end, depth=2, pin=False):
+    def __init__(self, sampler, start, end, depth=2, prepare=None):
         from collections import deque
         from concurrent.futures import ThreadPoolExecutor
-        self.sampler, self.pin = sampler, pin
+        self.sampler, self.prepare = sampler, prepare
         self.todo = ((s, m) for s in range(start, end) for m in range(sampler.grad_accum))
         self.pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="prefetch")
         self.pending = deque()
@@ -496,7 +497,7 @@ class Prefetcher:
 
     def _read(self, step, micro):
         x, ids = self.sampler.batch(step, micro)
-        return (x.pin_memory() if self.pin else x), ids
+        return self.prepare(x, ids) if self.prepare else (x, ids)
 
     def __iter__(self):
         return self

@@ -127,14 +127,15 @@ def random_masking(noise, n_keep):
 
 
 def mask_from_keep(ids_keep, L):
-    """The mask and ids_restore that go with kept indices ids_keep (B, n) out of L tokens. The masked tokens
-    follow the kept ones in index order: all of them become the same mask token, so their order is free."""
+    """The mask, ids_restore and the masked ids that go with kept indices ids_keep (B, n) out of L tokens. The
+    masked tokens follow the kept ones in index order: all of them become the same mask token, so their order
+    is free. Returns mask (B, L) (1 = masked), ids_restore (B, L), ids_masked (B, L - n) ascending."""
     B, n = ids_keep.shape
     mask = torch.ones(B, L, device=ids_keep.device)
     mask.scatter_(1, ids_keep, 0.0)
     masked = torch.argsort(mask, dim=1, descending=True, stable=True)[:, : L - n]  # masked ids, ascending
     ids_restore = torch.argsort(torch.cat([ids_keep, masked], dim=1), dim=1)
-    return mask, ids_restore
+    return mask, ids_restore, masked
 
 
 def encoder_tokens_per_stratum(L, mask_ratio, strata):
@@ -318,11 +319,19 @@ class MAE(nn.Module):
         x = self.run_blocks(self.decoder_blocks, x)
         return self.decoder_pred(self.decoder_norm(x))  # (B, L_loc, P)
 
+    def keep_ids(self, noise, cp_rank=0, cp=1):
+        """noise (B, L / cp): masking noise of cp rank cp_rank's tokens -> ids_keep (B, n) int64, local indices
+        of the tokens it keeps visible. train.py calls this in the prefetch thread, on the fp32 noise, so the
+        mask never passes through a float cast of the model's inputs (FSDP2 casts every floating input to the
+        compute dtype: in bf16, noise ties would decide the mask) and is the same under every strategy."""
+        return stratified_masking(noise, self.mask_strata // cp, self.E, has_cls=(cp_rank == 0))
+
     def forward(self, x, noise=None, ids_keep=None):
         """x (B, 1, Z_loc, Y, X): normalised voxels of this rank's slab (the whole sample without cp).
-        noise (B, L_loc): masking noise for this rank's tokens, or ids_keep (B, n): the kept tokens (local
-        indices) directly (tests inject either). Returns (loss, pred (B, L_loc, P), mask (B, L_loc)), where
-        loss = this rank's masked squared error / the masked count of the whole sample (summed over cp)."""
+        ids_keep (B, n): the kept tokens (local indices, from keep_ids; what training passes), or noise
+        (B, L_loc): masking noise for this rank's tokens (tests), or neither: random. Returns (loss, pred
+        (B, L_loc, P), mask (B, L_loc)), where loss = this rank's masked squared error / the masked count of
+        the whole sample (summed over cp)."""
         group = self.cp[0] if self.cp else None
         W = dist.get_world_size(group) if self.cp else 1
         r = dist.get_rank(group) if self.cp else 0
@@ -333,11 +342,11 @@ class MAE(nn.Module):
         if ids_keep is None:
             if noise is None:
                 noise = torch.rand(B, L_loc, device=x.device)
-            ids_keep = stratified_masking(noise, self.mask_strata // W, self.E, has_cls=(r == 0))
-        mask, ids_restore = mask_from_keep(ids_keep, L_loc)
+            ids_keep = self.keep_ids(noise, r, W)
+        mask, ids_restore, ids_masked = mask_from_keep(ids_keep, L_loc)
         latent = self.forward_encoder(patches, ids_keep, offset=r * L_loc, has_cls=(r == 0))
         pred = self.forward_decoder(latent, ids_restore, offset=r * L_loc, has_cls=(r == 0))
-        loss_sum, count = mae_loss(pred, patches, mask, self.norm_pix_loss)
+        loss_sum, count = mae_loss(pred, patches, ids_masked, self.norm_pix_loss)
         if W > 1:
             dist.all_reduce(count, group=group)  # masked patches of the whole sample (no gradient flows here)
         return loss_sum / count, pred, mask
@@ -358,18 +367,21 @@ class MAE(nn.Module):
         return 3 * (enc + dec)
 
 
-def mae_loss(pred, patches, mask, norm_pix_loss=False):
-    """Mean squared error per patch, summed over masked patches only. Returns (sum, count) so that a
-    caller can divide by a count that spans several ranks (context parallelism). In fp32.
+def mae_loss(pred, patches, ids_masked, norm_pix_loss=False):
+    """Mean squared error per patch, summed over the masked patches ids_masked (B, m) only. Returns (sum,
+    count) so that a caller can divide by a count that spans several ranks (context parallelism).
+    Only the masked patches are gathered and go through the error in fp32: (B, m, P) temporaries, where
+    computing it for all tokens and multiplying by the mask would hold (B, L, P) fp32 ones (at big_context
+    2.4 GB each per rank; the visible quarter of them for nothing).
     norm_pix_loss: each target patch is normalised by its own mean and variance (+1e-6, so a constant
     patch gives 0 / 1e-3 = 0, finite)."""
-    target = patches.float()
+    target = gather_tokens(patches, ids_masked).float()  # (B, m, P)
     if norm_pix_loss:
         mean = target.mean(dim=-1, keepdim=True)
         var = target.var(dim=-1, keepdim=True)
         target = (target - mean) / (var + 1e-6) ** 0.5
-    err = ((pred.float() - target) ** 2).mean(dim=-1)  # (B, L)
-    return (err * mask).sum(), mask.sum()
+    err = (gather_tokens(pred, ids_masked).float() - target).pow(2).mean(dim=-1)  # (B, m)
+    return err.sum(), torch.full((), float(ids_masked.numel()), device=pred.device)  # a fill, not a host copy
 
 
 # -----------------------------------------------------------------------------

@@ -37,8 +37,28 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# seconds this process spent blocked waiting for ring transfers (bench.py reads and resets it)
-STATS = {"comm_wait_s": 0.0}
+# Dropout inside attention: none (MAE uses none). The fused ops take it as an argument; it must stay 0 because
+# the ring reuses block 0's extra outputs (the CUDA flash op's RNG state among them) for every block's
+# backward: with dropout each block would need its own RNG state.
+DROPOUT = 0.0
+
+
+# Time the ring spent waiting for transfers. On CPU (gloo) Work.wait() blocks the host: host time. On GPU
+# (NCCL) it does not: it makes the compute stream wait for the transfer, and the host runs on. There the
+# stall is measured on the stream with a pair of CUDA events around each wait, read (one sync) when asked.
+_waits = {"host_s": 0.0, "events": []}
+
+
+def comm_wait_s(reset=False):
+    """Seconds this process's ring spent waiting for transfers since the last reset (bench.py reads it)."""
+    if _waits["events"]:
+        torch.cuda.synchronize()
+        _waits["host_s"] += sum(a.elapsed_time(b) for a, b in _waits["events"]) / 1000
+        _waits["events"] = []
+    out = _waits["host_s"]
+    if reset:
+        _waits["host_s"] = 0.0
+    return out
 
 # -----------------------------------------------------------------------------
 # the fused block ops: one call = one (q block) x (k/v block) attention returning out and lse
@@ -56,15 +76,15 @@ def block_fwd(q, k, v, scale):
     """out (B, H, Nq, Dh) in q.dtype, lse (B, H, Nq) fp32 contiguous, and the op's extra outputs that its
     backward needs (CUDA flash only)."""
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, DROPOUT, False, scale=scale)
         return out, lse.contiguous(), None
     if q.dtype in (torch.float16, torch.bfloat16):
-        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, DROPOUT, False, False, scale=scale)
         return r[0], r[1].contiguous(), r[2:8]  # cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused
     # fp32 on GPU: flash needs 16-bit inputs, the memory-efficient kernel takes fp32. Its lse is padded
     # along N to a multiple of 32; keep the first Nq columns.
     out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, False, scale=scale)
+        q, k, v, None, True, DROPOUT, False, scale=scale)
     return out, lse[:, :, : q.shape[2]].contiguous(), (seed, offset)
 
 
@@ -72,17 +92,19 @@ def block_bwd(dout, q, k, v, out, lse, scale, extra):
     """(dq, dk, dv) of one block, given the GLOBAL out and lse (see the module docstring)."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, False, scale=scale)
+            dout, q, k, v, out, lse, DROPOUT, False, scale=scale)
     if q.dtype in (torch.float16, torch.bfloat16):
         cum_q, cum_k, _, _, rng_state, unused = extra
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, False, rng_state, unused,
+            dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], DROPOUT, False, rng_state, unused,
             scale=scale)
     seed, offset = extra
-    pad = (-lse.shape[2]) % 32  # back to the padded layout the kernel expects
-    lse_p = F.pad(lse, (0, pad)) if pad else lse
+    # back to the padded layout the kernel expects, padded as the kernel pads: +inf, so that a padded row's
+    # weights exp(s - lse) are 0 whatever its scores
+    pad = (-lse.shape[2]) % 32
+    lse_p = F.pad(lse, (0, pad), value=float("inf")) if pad else lse
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse_p, seed, offset, 0.0, [True, True, True, False], False, scale=scale)
+        dout, q, k, v, None, out, lse_p, seed, offset, DROPOUT, [True, True, True, False], False, scale=scale)
     return dq, dk, dv
 
 
@@ -117,11 +139,26 @@ def _exchange(ts, nxt, prv, group, tag):
     return dist.batch_isend_irecv(ops), bufs
 
 
-def _wait(works):
+def _wait(works, device):
+    if device.type == "cuda":  # the stream's stall, between two events (see comm_wait_s)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for w in works:
+            w.wait()
+        b.record()
+        ev = _waits["events"]
+        ev.append((a, b))
+        if len(ev) > 256:  # in a long run nobody may ask: fold the pairs that have finished, keep it bounded
+            done = 0
+            while done < len(ev) and ev[done][1].query():
+                done += 1
+            _waits["host_s"] += sum(x.elapsed_time(y) for x, y in ev[:done]) / 1000
+            del ev[:done]
+        return
     t = time.perf_counter()
     for w in works:
         w.wait()
-    STATS["comm_wait_s"] += time.perf_counter() - t
+    _waits["host_s"] += time.perf_counter() - t
 
 
 class RingAttention(torch.autograd.Function):
@@ -135,10 +172,13 @@ class RingAttention(torch.autograd.Function):
             if step < W - 1:  # double buffering: the next block is in flight while we compute this one
                 works, kv_next = _exchange(kv, nxt, prv, group, tag=0)
             out_b, lse_b, ex = block_fwd(q, kv[0], kv[1], scale)  # (B, H, N, Dh), (B, H, N) fp32
-            extra = extra if extra is not None else ex  # same shapes for every block
+            # block 0's extras serve every block's backward: shapes are the same, and with no dropout the
+            # RNG state is unused
+            assert DROPOUT == 0.0, "the ring reuses block 0's extra outputs: valid only without dropout"
+            extra = extra if extra is not None else ex
             out, lse = merge(out, lse, out_b, lse_b)
             if step < W - 1:
-                _wait(works)
+                _wait(works, q.device)
                 kv = kv_next  # the block that just arrived; the old one is freed
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -171,15 +211,15 @@ class RingAttention(torch.autograd.Function):
             if step == 0:
                 dkv = [dk_b.to(acc).contiguous(), dv_b.to(acc).contiguous()]  # (op outputs may be strided)
             else:
-                _wait(dkv_works)  # the accumulator has been travelling while we computed
+                _wait(dkv_works, q.device)  # the accumulator has been travelling while we computed
                 dkv = [dkv_in[0].add_(dk_b), dkv_in[1].add_(dv_b)]
             # send the accumulator on with its block; the one we receive belongs to the next block we hold
             dkv_works, dkv_in = _exchange(dkv, nxt, prv, group, tag=2)
             if step < W - 1:
-                _wait(kv_works)
+                _wait(kv_works, q.device)
                 kv = kv_next
         # the last hop brought our own block's accumulator home: its dk/dv summed over all W ranks
-        _wait(dkv_works)
+        _wait(dkv_works, q.device)
         return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
 
 

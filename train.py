@@ -215,11 +215,6 @@ def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
         shutil.rmtree(path)  # a leftover of a write that died before it completed
     dist.barrier()
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
-    # fault injection for the tests: MAE_FAULT=die_in_checkpoint:STEP:RANK kills that rank mid-checkpoint, after
-    # its shard is written but before the checkpoint is marked complete (as a node lost mid-write would)
-    fault = os.environ.get("MAE_FAULT", "").split(":")
-    if fault[0] == "die_in_checkpoint" and int(fault[1]) == step and int(fault[2]) == rank:
-        os._exit(17)
     dist.barrier()  # every rank has written its shard
     # ... and the shards are on disk before COMPLETE says so: a crash or power loss right after the marker must
     # not leave it pointing at data still in a page cache. One rank per node flushes every file (on a shared
@@ -228,7 +223,8 @@ def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
         fsync_tree(path)
     dist.barrier()
     if rank == 0:
-        meta = {"step": step, "world": dist.get_world_size(), "config": client_state["config"]}
+        meta = {"step": step, "world": dist.get_world_size(), "dtype": client_state.get("dtype"),
+                "config": client_state["config"]}
         with open(os.path.join(path, "COMPLETE.tmp"), "w") as f:
             json.dump(meta, f)
             f.flush()
@@ -330,7 +326,12 @@ def setup(cfg):
         "gradient_accumulation_steps": cfg["grad_accum"],
         "gradient_clipping": cfg["grad_clip"],
         "bf16": {"enabled": dtype == torch.bfloat16},
-        "communication_data_type": "fp32",  # reduce gradients in fp32 (as FSDP2 does here): exact over 128 ranks
+        # gradients in fp32, as FSDP2 keeps them here (reduce_dtype) and Megatron does: reduced in fp32
+        # (communication_data_type) AND accumulated and kept in fp32 (grad_accum_dtype). Without the latter,
+        # ZeRO-2/3 allocate the gradient partition in the model dtype and round the fp32-reduced result back
+        # to bf16 (stage_1_and_2.py, stage3.py): measured 14x further from the fp32 run than FSDP2.
+        "communication_data_type": "fp32",
+        "data_types": {"grad_accum_dtype": "fp32"},
         "zero_optimization": {
             # ZeRO-2: optimizer state and gradients partitioned over all ranks, weights replicated.
             # ZeRO-3: the weights too, gathered layer by layer for forward and backward.
@@ -367,7 +368,7 @@ def make_optimizer(model, cfg, lr):
 
 class FSDP2Engine:
     """PyTorch FSDP2 (fully_shard) behind the few calls of the DeepSpeed engine that this file uses:
-    engine(x, noise), backward(loss), step(), save_checkpoint / load_checkpoint, .module. So the training
+    engine(x, ids_keep=...), backward(loss), step(), save_checkpoint / load_checkpoint, .module. So the training
     loop is the same for every strategy, and so are the gradient semantics: FSDP2 reduce-scatters the mean
     over the whole world, as ZeRO does; backward divides by grad_accum, as DeepSpeed's engine does."""
 
@@ -382,8 +383,8 @@ class FSDP2Engine:
         self.module, self.cfg, self.micro = model, cfg, 0
         self.optimizer = make_optimizer(model, cfg, lr)  # after sharding: it steps the local shards
 
-    def __call__(self, *args):
-        return self.module(*args)
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
     def backward(self, loss):
         (loss / self.cfg["grad_accum"]).backward()
@@ -431,9 +432,34 @@ def local_params(engine):
             yield p
 
 
+def prepare_batch(job, x, ids):
+    """A micro batch made ready in a prefetch thread (data.Prefetcher), so that the training thread does no
+    conversion and only starts an asynchronous copy:
+      ids_keep (B, n) int64: the kept tokens, from the fp32 masking noise of the samples `ids` (integers: no
+                            strategy's cast of the model's inputs can change them, so every strategy, dtype
+                            and dp/cp layout trains on the same masks);
+      x (B, 1, Z/cp, Y, X): cast to the compute dtype, on GPU straight into pinned memory (the copy to the
+                            device can then overlap compute: a pageable source makes it synchronous, and a
+                            cast on the way makes it a CPU conversion on the training thread)."""
+    noise = data.mask_noise(job.cfg["seed"], ids, job.model.L, job.cp_rank, job.cp)  # (B, L / cp) fp32
+    ids_keep = job.model.keep_ids(noise, job.cp_rank, job.cp)
+    if job.on_gpu:
+        buf = torch.empty(x.shape, dtype=job.dtype, pin_memory=True)
+        return buf.copy_(x), ids_keep.pin_memory()
+    return x.to(job.dtype), ids_keep
+
+
+def micro_batches(job, start, end, depth=None):
+    """The micro batches of steps [start, end), prepared and read ahead (prepare_batch); depth: how many
+    (default: the config's prefetch)."""
+    return data.Prefetcher(job.sampler, start, end, depth=depth or job.cfg["prefetch"],
+                           prepare=lambda x, ids: prepare_batch(job, x, ids))
+
+
 def train_step(job, step, batches):
-    """One optimizer step: grad_accum micro steps. `batches` yields (x, ids) micro batches.
-    Returns (mean loss over the whole job as a 1-element tensor, seconds spent waiting for data)."""
+    """One optimizer step: grad_accum micro steps. `batches` yields prepared (x, ids_keep) micro batches.
+    Returns (mean loss over the whole job as a 1-element device tensor: reading it is a host sync, which the
+    loop does only every log_interval steps; lr; seconds the training thread waited for data)."""
     cfg, engine = job.cfg, job.engine
     lr = get_lr(step, job.peak_lr, cfg)
     for group in job.optimizer.param_groups:  # ZeRO wraps this optimizer; its groups stay the ones it steps
@@ -442,10 +468,12 @@ def train_step(job, step, batches):
     step_loss, wait = torch.zeros(1, device=job.device), 0.0
     for micro in range(cfg["grad_accum"]):
         t0 = time.time()
-        x, ids = next(batches)  # (micro_batch, 1, crop[0] / cp, crop[1], crop[2]): this rank's slab
-        noise = data.mask_noise(cfg["seed"], ids, job.model.L, job.cp_rank, job.cp)  # (micro_batch, L / cp)
+        x, ids_keep = next(batches)  # (micro_batch, 1, crop[0] / cp, crop[1], crop[2]) in the compute dtype
+        # pinned -> device without blocking this thread (a no-op on CPU); the copy is queued on the stream
+        # ahead of the forward that reads it
+        x, ids_keep = x.to(job.device, non_blocking=True), ids_keep.to(job.device, non_blocking=True)
         wait += time.time() - t0
-        loss, _, _ = engine(x.to(job.device, job.dtype), noise.to(job.device))
+        loss, _, _ = engine(x, ids_keep=ids_keep)
         step_loss += loss.detach().float() / cfg["grad_accum"]
         engine.backward(loss * job.cp)  # see the docstring: x cp, then ZeRO averages over the world
         engine.step()  # DeepSpeed steps the optimizer at the last micro step only
@@ -525,11 +553,21 @@ def main(argv):
             log(f"run already complete: {ckpt_dir}/{tag} is at step {meta['step']} of max_steps "
                 f"{cfg['max_steps']}; raise --max_steps to go on")
             return 0
-        for key in ("model_size", "patch", "seed", "strategy", "crop", "cp", "micro_batch", "grad_accum"):
-            if meta["config"][key] != json.loads(json.dumps(cfg[key])):  # tuples come back as lists
+        # what the run's function depends on must not change under it: the model, the data stream, the masks
+        # (mask_ratio; mask_strata, whose default follows cp) and the compute dtype (resolved: 'auto' is bf16 on
+        # GPU). Older checkpoints lack some keys: those are not compared.
+        def resolved(c, dt):
+            return {**{k: c.get(k) for k in ("model_size", "patch", "seed", "strategy", "crop", "cp", "micro_batch",
+                                              "grad_accum", "mask_ratio")},
+                    "mask_strata": (c.get("mask_strata") or c.get("cp")) if "mask_strata" in c else None,
+                    "dtype": dt}
+        was = resolved(meta["config"], meta.get("dtype"))
+        now = resolved(json.loads(json.dumps(cfg)), str(job.dtype))  # tuples come back as lists
+        for key in was:
+            if was[key] is not None and was[key] != now[key]:
                 raise configurator.ConfigError(
-                    f"checkpoint {ckpt_dir}/{tag} was trained with {key}={meta['config'][key]!r}, this run has "
-                    f"{cfg[key]!r}: use another out_dir to start a new run")
+                    f"checkpoint {ckpt_dir}/{tag} was trained with {key}={was[key]!r}, this run has {now[key]!r}: "
+                    f"set it back to resume, or use another out_dir to start a new run")
         if meta["world"] != world:
             raise configurator.ConfigError(
                 f"checkpoint {ckpt_dir}/{tag} was written by {meta['world']} ranks and this job has {world}: "
@@ -546,21 +584,37 @@ def main(argv):
     os.makedirs(cfg["out_dir"], exist_ok=True)
     log_file = open(os.path.join(cfg["out_dir"], "log.jsonl"), "a") if rank == 0 else None
     end = cfg["max_steps"] if cfg["stop_step"] <= 0 else min(cfg["max_steps"], cfg["stop_step"])
-    batches = data.Prefetcher(job.sampler, start, end, depth=cfg["prefetch"], pin=job.on_gpu)
+    batches = micro_batches(job, start, end)
     t_last, data_time, steps_since, bytes_last = time.time(), 0.0, 0, job.sampler.bytes_read()
+    pending = []  # (step, loss tensor, lr, seconds, data wait) of the steps not yet read back from the device
+
+    def read_back():
+        """One host sync for all pending steps: their losses to the log, and a non-finite one stops all ranks
+        together (all hold the same reduced value), before any checkpoint of those weights is written."""
+        losses = torch.cat([p[1] for p in pending]).tolist() if pending else []
+        for (st, _, lr_, t_, w_), loss_ in zip(pending, losses):
+            if not math.isfinite(loss_):
+                raise FloatingPointError(f"non-finite loss ({loss_}) at step {st}: stopping; no checkpoint of these "
+                                         f"weights is written. Lower blr or raise warmup_steps, and check the data "
+                                         f"for NaN/inf outside dead traces.")
+            if log_file:
+                log_file.write(json.dumps({"step": st, "loss": loss_, "lr": lr_, "step_s": round(t_, 5),
+                                           "wait_s": round(w_, 5)}) + "\n")
+        if log_file:
+            log_file.flush()
+        pending.clear()
+        return losses[-1] if losses else float("nan")
+
     try:
         for step in range(start, end):
             t_step = time.time()
             step_loss, lr, wait = train_step(job, step, batches)
-            t_step = time.time() - t_step
+            pending.append((step, step_loss, lr, time.time() - t_step, wait))
             data_time += wait
-            # a non-finite loss stops all ranks together (all saw the same reduced value), before any save
-            if not math.isfinite(step_loss.item()):
-                raise FloatingPointError(f"non-finite loss ({step_loss.item()}) at step {step}: stopping; no "
-                                         f"checkpoint of these weights is written. Lower blr or raise "
-                                         f"warmup_steps, and check the data for NaN/inf outside dead traces.")
             steps_since += 1
+            ckpt_now = (step + 1) % cfg["ckpt_interval"] == 0 or step + 1 == end
             if step % cfg["log_interval"] == 0 or step == end - 1:
+                loss_now = read_back()
                 dt = (time.time() - t_last) / steps_since
                 sps = job.global_batch / dt
                 flops = flops_per_sample * sps  # achieved FLOP/s, whole job
@@ -569,28 +623,28 @@ def main(argv):
                 speed = (f"MFU {100 * flops / (world * cfg['gpu_peak_flops']):.1f}%" if job.on_gpu
                          else f"{flops / world / 1e9:.2f} GFLOP/s/rank")
                 gbps = (job.sampler.bytes_read() - bytes_last) / (dt * steps_since) / 1e9  # this rank's reads
-                log(f"step {step:5d} | loss {step_loss.item():.4f} | lr {lr:.3e} | {sps:.2f} samples/s | "
+                log(f"step {step:5d} | loss {loss_now:.4f} | lr {lr:.3e} | {sps:.2f} samples/s | "
                     f"{sps * model.L:,.0f} tok/s | {1000 * dt:.0f} ms/step | {speed} | data {gbps:.3f} GB/s/rank, "
                     f"wait {100 * data_time / (dt * steps_since):.1f}% | peak mem {mem:.2f} GB")
                 t_last, data_time, steps_since, bytes_last = time.time(), 0.0, 0, job.sampler.bytes_read()
-            if log_file:
-                log_file.write(json.dumps({"step": step, "loss": step_loss.item(), "lr": lr, "step_s": round(t_step, 5),
-                                           "wait_s": round(wait, 5)}) + "\n")
-                log_file.flush()
-            if (step + 1) % cfg["ckpt_interval"] == 0 or step + 1 == end:
+            if ckpt_now:
+                read_back()  # no checkpoint after a non-finite loss
                 save_checkpoint(engine, ckpt_dir, step + 1, {"step": step + 1, "config": cfg,
+                                                            "dtype": str(job.dtype),
                                                             "samples_seen": (step + 1) * job.global_batch},
                                 cfg["keep_ckpts"], rank)
                 log(f"checkpoint step_{step + 1:07d} written to {ckpt_dir}")
+        read_back()
     finally:
         batches.close()
         job.sampler.close()
     return 0
 
 
-if __name__ == "__main__":
+def cli(argv):
+    """`python train.py ...`: main(), with bad input or a diverged run as one clear line and an exit code."""
     try:
-        rc = main(sys.argv[1:])
+        rc = main(argv)
     except (configurator.ConfigError, data.DataError, FloatingPointError) as e:
         # bad input or a diverged run: one clear line, non-zero exit, nothing half-written
         if os.environ.get("RANK", "0") == "0":
@@ -598,4 +652,8 @@ if __name__ == "__main__":
         rc = 2 if not isinstance(e, FloatingPointError) else 3
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    sys.exit(rc)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

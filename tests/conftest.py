@@ -22,13 +22,14 @@ def job_env(**extra):
     return env
 
 
-def run_train(args, nproc=1, timeout=600, env=None):
-    """Run train.py under torchrun (nproc > 1) or alone; returns the CompletedProcess."""
+def run_train(args, nproc=1, timeout=600, env=None, script="train.py"):
+    """Run train.py (or tests/train_hooks.py: train.py with test hooks) under torchrun (nproc > 1) or alone;
+    returns the CompletedProcess."""
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               os.path.join(ROOT, "train.py"), *args]
+               os.path.join(ROOT, script), *args]
     else:
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *args]
+        cmd = [sys.executable, os.path.join(ROOT, script), *args]
     return subprocess.run(cmd, cwd=ROOT, env=env or job_env(), capture_output=True, text=True, timeout=timeout)
 
 

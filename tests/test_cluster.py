@@ -235,5 +235,5 @@ def test_hostfile_over_real_ssh_follows_one_node(sshd, common, one_node, tmp_pat
                                 SSH_OPTS=sshd.opts))
     assert r.returncode == 0, r.stderr[-3000:] + (tmp_path / "logs" / "node_1.log").read_text()[-3000:]
     assert open(sshd.log).read().count("Accepted publickey") == before + 1  # node 1 came in over ssh
-    assert f"head 127.0.0.1:29656" in (tmp_path / "logs" / "node_1.log").read_text()
+    assert "head 127.0.0.1:29656" in (tmp_path / "logs" / "node_1.log").read_text()
     _assert_follows(one_node, tmp_path / "out")

@@ -65,10 +65,13 @@ def test_stratified_masking_with_one_stratum_is_mae_masking():
     ids = M.stratified_masking(noise, 1, E, has_cls=True)
     ref_keep, ref_mask, _ = M.random_masking(noise, int(40 * 0.25))
     assert torch.equal(ids, ref_keep)
-    mask, ids_restore = M.mask_from_keep(ids, 40)
+    mask, ids_restore, masked = M.mask_from_keep(ids, 40)
     assert torch.equal(mask, ref_mask)
+    assert torch.equal(masked, torch.argsort(mask, dim=1, descending=True, stable=True)[:, :30])
+    assert torch.equal(torch.gather(mask, 1, masked), torch.ones(3, 30))  # all masked, ascending
+    assert (masked.diff(dim=1) > 0).all()
     # ids_restore puts [kept..., masked...] back in order
-    order = torch.cat([ids, torch.argsort(mask, dim=1, descending=True, stable=True)[:, :30]], dim=1)
+    order = torch.cat([ids, masked], dim=1)
     assert torch.equal(torch.gather(order, 1, ids_restore), torch.arange(40).expand(3, 40))
 
 

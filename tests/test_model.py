@@ -86,19 +86,23 @@ def test_loss_only_on_masked_patches():
     pred = torch.randn(2, 10, 8, requires_grad=True)
     mask = torch.zeros(2, 10)
     mask[:, ::3] = 1
-    s, n = M.mae_loss(pred, patches, mask)
+    ids_masked = torch.arange(0, 10, 3).expand(2, -1)
+    s, n = M.mae_loss(pred, patches, ids_masked)
     (s / n).backward()
     visible = mask == 0
     assert torch.count_nonzero(pred.grad[visible]) == 0
     assert torch.count_nonzero(pred.grad[~visible]) > 0
+    # the same as the error of every patch, masked: (err * mask).sum() / mask.sum()
+    err = ((pred.detach() - patches) ** 2).mean(-1)
+    torch.testing.assert_close(s.detach() / n, (err * mask).sum() / mask.sum())
     # an all-masked loss is plain MSE
-    s, n = M.mae_loss(pred.detach(), patches, torch.ones(2, 10))
+    s, n = M.mae_loss(pred.detach(), patches, torch.arange(10).expand(2, -1))
     torch.testing.assert_close(s / n, F.mse_loss(pred.detach(), patches))
 
 
 def test_norm_pix_loss_finite_on_constant_patches():
     patches = torch.full((1, 4, 64), 3.0)
-    s, n = M.mae_loss(torch.zeros(1, 4, 64), patches, torch.ones(1, 4), norm_pix_loss=True)
+    s, n = M.mae_loss(torch.zeros(1, 4, 64), patches, torch.arange(4)[None], norm_pix_loss=True)
     assert torch.isfinite(s) and s.item() == 0.0
 
 

@@ -1,0 +1,74 @@
+"""train.py with test hooks, monkeypatched from outside (nothing of this is in train.py):
+
+    python -m torch.distributed.run ... tests/train_hooks.py CONFIG --key=value ...
+
+MAE_FAULT=die_in_checkpoint:STEP:RANK   that rank dies (exit 17) right after its checkpoint shard for STEP is
+                                        written, before the checkpoint is marked complete: a node lost mid-write.
+MAE_PROBE=DIR                           every forward appends to DIR/rank<R>.jsonl what reached the model: the
+                                        batch's dtype and the kept token ids (after any strategy's input cast).
+MAE_PROFILE=FILE                        step 2 runs under the CPU profiler; FILE gets every copy (aten::_to_copy)
+                                        of a batch-shaped tensor, with its thread, and the training thread's id.
+                                        As a control, one batch-sized conversion is made on the training thread
+                                        inside the profile: a detector that finds nothing finds nothing wrong.
+"""
+import json
+import os
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import model  # noqa: E402
+import train  # noqa: E402
+
+fault = os.environ.get("MAE_FAULT", "").split(":")
+if fault[0] == "die_in_checkpoint":
+    die_step, die_rank = int(fault[1]), int(fault[2])
+    real_setup = train.setup
+
+    def setup(cfg):
+        job = real_setup(cfg)
+        real_save = job.engine.save_checkpoint
+
+        def save_checkpoint(ckpt_dir, tag, client_state):
+            out = real_save(ckpt_dir, tag=tag, client_state=client_state)
+            if client_state["step"] == die_step and job.rank == die_rank:
+                os._exit(17)
+            return out
+        job.engine.save_checkpoint = save_checkpoint
+        return job
+    train.setup = setup
+
+probe = os.environ.get("MAE_PROBE")
+if probe:
+    real_forward = model.MAE.forward  # FSDP2 swaps the class for a subclass: it inherits this
+
+    def forward(self, x, noise=None, ids_keep=None):
+        if self.training:
+            with open(os.path.join(probe, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a") as f:
+                f.write(json.dumps({"dtype": str(x.dtype), "ids_keep": ids_keep.tolist()}) + "\n")
+        return real_forward(self, x, noise, ids_keep)
+    model.MAE.forward = forward
+
+profile_to = os.environ.get("MAE_PROFILE")
+if profile_to:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    real_step = train.train_step
+
+    def train_step(job, step, batches):
+        if step != 2:
+            return real_step(job, step, batches)
+        c = job.cfg
+        shape = [c["micro_batch"], 1, c["crop"][0] // job.cp, c["crop"][1], c["crop"][2]]
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            out = real_step(job, step, batches)
+            torch.randn(shape).to(torch.bfloat16)  # the control
+        copies = [{"shapes": e.input_shapes, "thread": e.thread} for e in prof.events()
+                  if e.name == "aten::_to_copy" and e.input_shapes and list(e.input_shapes[0]) == shape]
+        with open(profile_to, "w") as f:
+            json.dump({"training_thread": threading.get_native_id(), "copies": copies}, f)
+        return out
+    train.train_step = train_step
+
+sys.exit(train.cli(sys.argv[1:]))
