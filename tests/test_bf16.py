@@ -68,4 +68,4 @@ def test_the_training_thread_converts_no_batch(small_store, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     prof = json.load(open(tmp_path / "profile.json"))
     on_training_thread = [c for c in prof["copies"] if c["thread"] == prof["training_thread"]]
-    assert len(on_training_thread) == 1, prof  # the control: the detector does see a conversion there
+    assert len(on_training_thread) == 1 and on_training_thread[0]["control"], prof  # the control, and no other

@@ -7,14 +7,14 @@ MAE_FAULT=die_in_checkpoint:STEP:RANK   that rank dies (exit 17) right after its
 MAE_PROBE=DIR                           every forward appends to DIR/rank<R>.jsonl what reached the model: the
                                         batch's dtype and the kept token ids (after any strategy's input cast).
 MAE_PROFILE=FILE                        step 2 runs under the CPU profiler; FILE gets every copy (aten::_to_copy)
-                                        of a batch-shaped tensor, with its thread, and the training thread's id.
-                                        As a control, one batch-sized conversion is made on the training thread
-                                        inside the profile: a detector that finds nothing finds nothing wrong.
+                                        of a batch-shaped tensor, with the profiler's id of its thread. As a
+                                        control, one batch-sized conversion is made on the training thread inside
+                                        the profile (under record_function "control"): it names that thread, and
+                                        shows that the detector sees a conversion there when there is one.
 """
 import json
 import os
 import sys
-import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,7 +53,7 @@ if probe:
 profile_to = os.environ.get("MAE_PROFILE")
 if profile_to:
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
     real_step = train.train_step
 
     def train_step(job, step, batches):
@@ -63,11 +63,19 @@ if profile_to:
         shape = [c["micro_batch"], 1, c["crop"][0] // job.cp, c["crop"][1], c["crop"][2]]
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             out = real_step(job, step, batches)
-            torch.randn(shape).to(torch.bfloat16)  # the control
-        copies = [{"shapes": e.input_shapes, "thread": e.thread} for e in prof.events()
+            with record_function("control"):
+                torch.randn(shape).to(torch.bfloat16)
+        events = prof.events()
+        training_thread = next(e.thread for e in events if e.name == "control")
+
+        def under_control(e):
+            while e is not None and e.name != "control":
+                e = e.cpu_parent
+            return e is not None
+        copies = [{"shapes": e.input_shapes, "thread": e.thread, "control": under_control(e)} for e in events
                   if e.name == "aten::_to_copy" and e.input_shapes and list(e.input_shapes[0]) == shape]
         with open(profile_to, "w") as f:
-            json.dump({"training_thread": threading.get_native_id(), "copies": copies}, f)
+            json.dump({"training_thread": training_thread, "copies": copies}, f)
         return out
     train.train_step = train_step
 
