@@ -264,6 +264,19 @@ def gpu_check(argv):
     except (Exception, SystemExit) as e:  # report, do not hide the results above
         out["gpu_memory_check"] = f"FAILED: {type(e).__name__}: {e}"
         print(f"memory check on GPU FAILED: {e}")
+    # bf16 on the GPU: zero2 and fsdp2 train on the same kept-token ids and follow each other (world 1; what
+    # reached the model recorded by tests/train_hooks.py)
+    try:
+        out["bf16_strategies"] = gpu_bf16_check()
+    except (Exception, SystemExit) as e:
+        out["bf16_strategies"] = f"FAILED: {type(e).__name__}: {e}"
+        print(f"bf16 strategies on GPU FAILED: {e}")
+    # the batch's copy to the GPU: pinned bf16 with non_blocking (train.py) against pageable fp32 cast on the way
+    try:
+        out["batch_copy"] = gpu_copy_check(dev)
+    except Exception as e:
+        out["batch_copy"] = f"FAILED: {type(e).__name__}: {e}"
+        print(f"batch copy check FAILED: {e}")
     # and the whole training path on this GPU (NCCL, bf16, DeepSpeed ZeRO-2): the quickstart's steps
     try:
         out["quickstart_step"] = bench_step(["config/quickstart.py", "--out_dir=/tmp/gpu_check_run"])
@@ -271,6 +284,50 @@ def gpu_check(argv):
         out["quickstart_step"] = f"FAILED: {type(e).__name__}: {e}"
         print(f"quickstart step on GPU FAILED: {e}")
     return out
+
+
+def gpu_bf16_check(steps=20):
+    """zero2 and fsdp2 in bf16 on one GPU: the same kept-token ids at every step, and their losses' mean relative
+    difference (on 2 CPU ranks they agree within 2.4e-5 over 40 steps)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        def env_for(name):
+            os.makedirs(os.path.join(d, "probe_" + name))
+            return dict(os.environ, MAE_PROBE=os.path.join(d, "probe_" + name))
+        losses = dtype_runs(["config/quickstart.py", f"--data_paths=['{d}/qs.mdio']", "--make_synthetic=True"], d,
+                            steps, script="tests/train_hooks.py", env_for=env_for, names=("zero2", "fsdp2"), nproc=1)
+        ids = {n: [json.loads(x)["ids_keep"] for x in open(os.path.join(d, "probe_" + n, "rank0.jsonl"))]
+               for n in ("zero2", "fsdp2")}
+    res = {"same_masks": ids["zero2"] == ids["fsdp2"] and len(ids["zero2"]) == steps,
+           "mean_rel_diff": rel_deviation(losses["zero2"], losses["fsdp2"])[0]}
+    print(f"\nbf16 on the GPU, {steps} quickstart steps: zero2 and fsdp2 same masks: {res['same_masks']}, "
+          f"mean relative loss difference {res['mean_rel_diff']:.2e}")
+    return res
+
+
+def gpu_copy_check(dev, shape=(1, 1, 640, 640, 1024)):
+    """One base_102k sample to the GPU, the way train.py copies it (prepared as pinned bf16 in the prefetch thread,
+    then .to(non_blocking=True)) against the old way (pageable fp32 cast on the way): the training thread's host
+    time, and the copy's time on the stream (CUDA events). Non-blocking on the compute stream frees the host;
+    the copy itself still runs before the forward on that stream (a side stream would overlap it too)."""
+    pinned = torch.empty(shape, dtype=torch.bfloat16, pin_memory=True).normal_()
+    pageable = torch.randn(shape)
+    res = {}
+    for name, fn in (("pinned bf16, non_blocking", lambda: pinned.to(dev, non_blocking=True)),
+                     ("pageable fp32 -> bf16", lambda: pageable.to(dev, torch.bfloat16))):
+        fn()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        a.record()
+        fn()
+        b.record()
+        host = time.perf_counter() - t
+        torch.cuda.synchronize()
+        res[name] = {"host_ms": round(1000 * host, 2), "stream_ms": round(a.elapsed_time(b), 2)}
+    print(f"\none {shape} sample to the GPU ({pinned.numel() * 2 / 1e9:.2f} GB in bf16):")
+    table([[k, v["host_ms"], v["stream_ms"]] for k, v in res.items()], ["copy", "training thread ms", "stream ms"])
+    return res
 
 
 # -----------------------------------------------------------------------------
@@ -869,13 +926,15 @@ def bench_plan(argv):
 PUBLISHED = {"zero2": 1974, "fsdp2": 1833, "zero3": 869}
 
 
-def run_2ranks(argv, out, script="train.py", env=None):
+def run_2ranks(argv, out, script="train.py", env=None, nproc=2):
     """train.py (or a wrapper of it, as the tests' train_hooks.py) on 2 CPU ranks (gloo, 1 thread each), writing to
-    out. Returns (its log.jsonl rows, its stdout)."""
+    out; on a GPU machine on nproc GPUs. Returns (its log.jsonl rows, its stdout)."""
     import subprocess
     here = os.path.dirname(os.path.abspath(__file__))
-    e = dict(env or os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    e = dict(env or os.environ)
+    if not torch.cuda.is_available():
+        e.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                         os.path.join(here, script), *argv, f"--out_dir={out}"],
                        env=e, capture_output=True, text=True, cwd=here)
     if r.returncode != 0:
@@ -909,16 +968,18 @@ def bench_strategies(argv, steps=40, warmup=10):
             **{f"{k}_final_loss": v["final_loss"] for k, v in res.items()}}
 
 
-def dtype_runs(argv, root, steps=40, script="train.py", env_for=None):
-    """The config for `steps` steps on 2 CPU ranks: in fp32 (zero2: in fp32 the strategies agree to 1e-5, tested),
-    then in bf16 under zero2, zero3 and fsdp2, each into root/NAME. env_for(NAME): the environment of that run.
-    Returns {NAME: [loss per step]}."""
+def dtype_runs(argv, root, steps=40, script="train.py", env_for=None, names=("fp32", "zero2", "zero3", "fsdp2"),
+               nproc=2):
+    """The config for `steps` steps on 2 CPU ranks (nproc GPUs on a GPU machine): in fp32 (zero2: in fp32 the
+    strategies agree to 1e-5, tested), then in bf16 under zero2, zero3 and fsdp2 (those of `names`), each into
+    root/NAME. env_for(NAME): the environment of that run. Returns {NAME: [loss per step]}."""
     runs = {"fp32": ["--dtype=float32", "--strategy=zero2"],
             **{s: ["--dtype=bfloat16", f"--strategy={s}"] for s in ("zero2", "zero3", "fsdp2")}}
     out = {}
-    for name, extra in runs.items():
-        log, _ = run_2ranks([*argv, *extra, f"--max_steps={steps}", f"--ckpt_interval={10 ** 6}", "--log_interval=1000"],
-                            os.path.join(root, name), script, env_for(name) if env_for else None)
+    for name in names:
+        log, _ = run_2ranks([*argv, *runs[name], f"--max_steps={steps}", f"--ckpt_interval={10 ** 6}",
+                             "--log_interval=1000"], os.path.join(root, name), script,
+                            env_for(name) if env_for else None, nproc)
         out[name] = [x["loss"] for x in log]
     return out
 

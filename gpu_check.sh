@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session in one call: bench.py gpu-check (the ring's CUDA ops against fp64 SDPA, attention timings at
-# 102,400 tokens, the planner's memory terms against torch.cuda's allocator, the quickstart's steps on the GPU).
+# 102,400 tokens, the planner's memory terms against torch.cuda's allocator, bf16 zero2 vs fsdp2 on the same
+# masks, the batch's pinned non-blocking copy against the old pageable cast-and-copy, the quickstart's steps).
 #
 # The lent H200 machine has Python 3.12 and PyTorch but none of deepspeed, zarr, numcodecs, pydantic..., and
 # no internet. So the missing wheels are fetched (and deepspeed's built) here, then carried there:

@@ -80,6 +80,15 @@ def _launch_cmd(common, out_dir, *extra):
             "--nodes=2", *extra]
 
 
+def _sbatch(cluster, args, tmp_path, port):
+    """`bash launch.sh config/quickstart.py ARGS --nodes=2` from outside an allocation: the job id sbatch printed."""
+    r = subprocess.run(["bash", "launch.sh", "config/quickstart.py", *args, "--make_synthetic=False", "--nodes=2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=cluster.env(**_env(NPROC="2", LOG_DIR=str(tmp_path / "logs"), PORT=port)))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return re.search(r"Submitted batch job (\d+)", r.stdout).group(1)
+
+
 def _watch(proc, slurm, seen, timeout=600):
     """Wait for a local process (salloc, script) while recording the job steps SLURM runs."""
     deadline = time.time() + timeout
@@ -118,12 +127,7 @@ def test_gpus_asked_only_where_slurm_schedules_them(small_store, tmp_path):
     _need(["slurmctld", "slurmd", "sbatch", "munged"])
     c = cluster_util.Cluster(str(tmp_path / "slurm_gpu"), gpus=2).start()
     try:
-        args = small_args(small_store, tmp_path / "out", max_steps=2, cp=2)
-        r = subprocess.run(["bash", "launch.sh", "config/quickstart.py", *args, "--make_synthetic=False", "--nodes=2"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120,
-                           env=c.env(**_env(NPROC="2", LOG_DIR=str(tmp_path / "logs"), PORT="29657")))
-        assert r.returncode == 0, r.stdout + r.stderr
-        job = re.search(r"Submitted batch job (\d+)", r.stdout).group(1)
+        job = _sbatch(c, small_args(small_store, tmp_path / "out", max_steps=2, cp=2), tmp_path, "29657")
         assert "gres:gpu:2" in c.job(job).get("TresPerNode", ""), c.job(job)
         step = []
 
@@ -176,12 +180,8 @@ def _ranks(out_dir):
 
 
 def test_scancel_ends_every_rank(slurm, small_store, tmp_path):
-    args = small_args(small_store, tmp_path / "out", max_steps=100000, ckpt_interval=100000)
-    r = subprocess.run(["bash", "launch.sh", "config/quickstart.py", *args, "--make_synthetic=False", "--nodes=2"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env=slurm.env(**_env(NPROC="2", LOG_DIR=str(tmp_path / "logs"), PORT="29654")))
-    assert r.returncode == 0, r.stdout + r.stderr
-    job = re.search(r"Submitted batch job (\d+)", r.stdout).group(1)
+    job = _sbatch(slurm, small_args(small_store, tmp_path / "out", max_steps=100000, ckpt_interval=100000), tmp_path,
+                  "29654")
     deadline = time.time() + 300
     while time.time() < deadline and not (tmp_path / "out" / "log.jsonl").exists():
         assert slurm.job(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), slurm.job(job)
