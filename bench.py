@@ -534,9 +534,9 @@ def state_bytes(n, strategy, W, d, cfg, on_gpu=True):
       grads:      gradients that build up during backward while the activations are being freed;
       opt:        added during the optimizer step.
     n = param_counts(model); d = bytes per element of the compute dtype (2 bf16, 4 fp32); gradients are reduced
-    in fp32 (train.py: communication_data_type, reduce_dtype). Under every strategy Adam keeps fp32 master
-    weights (4 bytes) and m, v (8 bytes) for this rank's share P/W: 12 P/W. Each other term is a tensor that
-    DeepSpeed 0.19 / PyTorch 2.13 allocate (found with the profiler and in their source); memory_check measures
+    and kept in fp32 (train.py: communication_data_type and grad_accum_dtype, FSDP2's reduce_dtype). Under every
+    strategy Adam keeps fp32 master weights (4 bytes) and m, v (8 bytes) for this rank's share P/W: 12 P/W. Each
+    other term is a tensor that DeepSpeed 0.19 / PyTorch 2.13 allocate (found with the profiler and in their source); memory_check measures
     them on CPU. What differs on a GPU (on_gpu) is taken from the source, not measured: two reduce buckets
     (overlap_comm), AdamW's foreach step (one temporary per group where the CPU's per-tensor step makes two),
     and no gloo copies."""
@@ -552,12 +552,14 @@ def state_bytes(n, strategy, W, d, cfg, on_gpu=True):
         held = ((2 if on_gpu else 1) * d * B  # reduce bucket(s): two with overlap_comm (GPU)
                 + (d + to32) * Bn  # allreduce_bucket: a flat copy of the bucket, then its fp32 cast
                 + d * blk)  # one block's full gradients, before they are copied into the bucket
-        grads = d * Pw  # this rank's gradient share, filled bucket by bucket
-        opt = d * Pw + 4 * Pw + adam_tmp  # the gradient share, its flat fp32 copy for the step, AdamW temporaries
+        grads = 4 * Pw  # this rank's gradient share, fp32 (grad_accum_dtype), filled bucket by bucket
+        # at the step: the gradient share; with fp32 weights also a flat copy of it for the step (with bf16 weights
+        # DeepSpeed accumulates into a separate fp32 buffer that the step reads in place: measured), AdamW's
+        opt = 4 * Pw + (4 * Pw if d == 4 else 0) + adam_tmp
     elif strategy == "zero3":
         persistent = (d * Pw  # weight shards
                       + 12 * Pw  # master + Adam
-                      + d * Pw  # the gradient share: a flat buffer, kept, in the compute dtype
+                      + 4 * Pw  # the gradient share: a flat buffer, kept, in fp32 (grad_accum_dtype)
                       + d * n["small"]  # parameters too small to partition, whole on every rank
                       + 4 * B  # the reduce bucket, in the communication dtype (fp32)
                       + (0 if on_gpu else 4 * blk))  # gloo keeps its copy of the last reduce-scatter input

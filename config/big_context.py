@@ -13,9 +13,10 @@
 # model:    ViT-G encoder (1664 wide, 48 deep, 16 heads of 104) = 1.63 B params with the 512 x 8 decoder
 # memory:   per GPU, bf16, grad_ckpt: ~26 GB activations (137 GB without checkpointing: would not fit)
 #           + 8.5 GB ZeRO-2 state: bf16 weights 2 B x 1.63 B = 3.3 GB (replicated), fp32 master + Adam
-#             12 B x 1.63 B / 128 = 0.15 GB, 2 reduce buckets x 5e8 x 2 B = 2 GB, and while a bucket is reduced
-#             its flat copy and fp32 cast 5e8 x (2 + 4) B = 3 GB (gradients are reduced in fp32)
-#           + ring buffers + 3 GB workspace = ~39.5 GB of 141 GB
+#             12 B x 1.63 B / 128 = 0.15 GB, fp32 gradient share 4 B x 1.63 B / 128 = 0.05 GB, 2 reduce buckets
+#             x 5e8 x 2 B = 2 GB, and while a bucket is reduced its flat copy and fp32 cast 5e8 x (2 + 4) B =
+#             3 GB (gradients are reduced and kept in fp32)
+#           + ring buffers + 3 GB workspace = ~38.9 GB of 141 GB
 #           Memory is not what binds here: activations are dominated by the decoder's 147,456 tokens per
 #           rank, whatever the encoder. Time is: 155 PFLOP per sample (attention over 1.18 M tokens), so
 #           at 40 % MFU the 128 GPUs make ~0.33 samples/s (~50 s per step of 16 samples). G is the largest
