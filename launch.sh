@@ -161,9 +161,8 @@ srun_cmd() {  # train.py's arguments
   extra+=$(slurm_gpu_flag "${SLURM_JOB_NODELIST:-}")
   # --cpu-bind=none: the one task per node starts NPROC ranks, which must not share the task's single core. Only
   # where a task plugin binds at all (task/affinity, task/cgroup); with task/none srun would warn about it.
-  if scontrol show config 2>/dev/null | grep -E '^TaskPlugin ' | grep -qE 'affinity|cgroup'; then
-    extra+=" --cpu-bind=none"
-  fi
+  local tp; tp=$(scontrol show config 2>/dev/null | sed -n 's/^TaskPlugin *= *//p')  # (sed reads all: no SIGPIPE)
+  if [[ "$tp" == *affinity* || "$tp" == *cgroup* ]]; then extra+=" --cpu-bind=none"; fi
   # one task per node, each node's output in its own log (%t = node index within the step); --ntasks explicitly:
   # srun would otherwise take the enclosing step's or salloc's SLURM_NTASKS as its own
   echo "srun$extra --nodes=$NODES --ntasks=$NODES --ntasks-per-node=1 --kill-on-bad-exit=1" \
