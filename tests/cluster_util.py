@@ -85,7 +85,7 @@ class Cluster:
         # step are tracked through their parent process ids, which is what scancel relies on here
         conf = f"""\
 ClusterName=local
-GresTypes={"gpu" if self.gpus else ""}
+{"GresTypes=gpu" if self.gpus else ""}
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctl}
 SlurmUser=root
