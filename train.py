@@ -16,17 +16,16 @@ the masked count of the whole sample, multiplied by cp before backward; ZeRO ave
 the whole world, so the result is the mean over the dp_size samples, exactly as with cp = 1.
 """
 
-import errno
 import json
 import math
 import os
 import resource
-import shutil
 import sys
 import time
 
 import torch
 
+import checkpoint
 import configurator
 import data
 import ring_attention
@@ -154,88 +153,6 @@ def get_lr(step, peak_lr, cfg):
         return peak_lr * (step + 1) / warm
     progress = (step - warm) / max(1, last - warm)
     return cfg["min_lr"] + (peak_lr - cfg["min_lr"]) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-# -----------------------------------------------------------------------------
-# checkpoints: DeepSpeed writes out_dir/ckpt/step_NNNNNNN/; we mark a checkpoint complete with a file
-# written (atomically) only after every rank has finished saving. Resume picks the newest complete one,
-# so a job killed mid-write resumes from the one before.
-
-
-def complete_checkpoints(ckpt_dir):
-    """[(step, tag)] of complete checkpoints, oldest first."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    out = []
-    for tag in os.listdir(ckpt_dir):
-        if tag.startswith("step_") and os.path.exists(os.path.join(ckpt_dir, tag, "COMPLETE")):
-            out.append((int(tag[5:]), tag))
-    return sorted(out)
-
-
-def fsync_dir(path):
-    """Flush a directory's entries (new names, renames). Some network file systems refuse fsync on a
-    directory (EINVAL): they commit entries on their own, so that is not an error."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path):
-    """Flush every file under `path`, then every directory's entries."""
-    for root, _, names in os.walk(path):
-        for name in names:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(root)
-
-
-def save_checkpoint(engine, ckpt_dir, step, client_state, keep, rank):
-    import torch.distributed as dist
-    tag = f"step_{step:07d}"
-    path = os.path.join(ckpt_dir, tag)
-    if (step, tag) in complete_checkpoints(ckpt_dir):
-        return  # already saved (a resumed run that had nothing left to do): never rewrite a good one
-    # never save non-finite weights: check on every rank, agree on the answer
-    finite = torch.tensor([float(all(torch.isfinite(p).all() for p in local_params(engine)))],
-                          device=next(engine.module.parameters()).device)  # NCCL reduces only CUDA tensors
-    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-    if finite.item() < 1:
-        raise FloatingPointError(f"weights are non-finite after step {step}: checkpoint {tag} NOT written; "
-                                 f"the newest good one is kept. Lower blr or raise warmup_steps.")
-    if rank == 0 and os.path.isdir(path):
-        shutil.rmtree(path)  # a leftover of a write that died before it completed
-    dist.barrier()
-    engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
-    dist.barrier()  # every rank has written its shard
-    # ... and the shards are on disk before COMPLETE says so: a crash or power loss right after the marker must
-    # not leave it pointing at data still in a page cache. One rank per node flushes every file (on a shared
-    # file system each node's client flushes what that node wrote; locally one flush covers all ranks).
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        fsync_tree(path)
-    dist.barrier()
-    if rank == 0:
-        meta = {"step": step, "world": dist.get_world_size(), "dtype": client_state.get("dtype"),
-                "config": client_state["config"]}
-        with open(os.path.join(path, "COMPLETE.tmp"), "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(path, "COMPLETE.tmp"), os.path.join(path, "COMPLETE"))
-        fsync_dir(path)  # the rename itself
-        fsync_dir(ckpt_dir)  # and the checkpoint's own entry, before older checkpoints are deleted
-        done = complete_checkpoints(ckpt_dir)
-        for _, old in done[:-keep]:
-            shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
-    dist.barrier()
 
 
 # -----------------------------------------------------------------------------
@@ -437,18 +354,6 @@ class FSDP2Engine:
         return path, torch.load(os.path.join(path, "client_state.pt"), weights_only=False)
 
 
-def local_params(engine):
-    """This rank's own values of the weights, under any strategy: ZeRO-3 keeps them in p.ds_tensor (p itself
-    is an empty placeholder between uses), FSDP2 in DTensor shards."""
-    for p in engine.module.parameters():
-        if hasattr(p, "ds_tensor"):
-            yield p.ds_tensor
-        elif hasattr(p, "to_local"):
-            yield p.to_local()
-        else:
-            yield p
-
-
 def prepare_batch(job, x, ids):
     """A micro batch made ready in a prefetch thread (data.Prefetcher), so that the training thread does no
     conversion and only starts an asynchronous copy:
@@ -549,53 +454,11 @@ def main(argv):
         f"global batch {job.global_batch} | "
         f"peak lr {job.peak_lr:.3g} | {job.dtype} on {job.device.type}")
 
-    # ---- resume from the newest complete checkpoint
+    # ---- resume from the newest complete checkpoint (checkpoint.py)
     ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
-    start = 0
-    if not cfg["resume"] and complete_checkpoints(ckpt_dir):
-        raise configurator.ConfigError(f"{ckpt_dir} holds checkpoints of an earlier run and resume=False: use a new "
-                                       f"out_dir (mixing two runs' checkpoints in one directory is never safe)")
-    # rank 0 decides which checkpoint to resume from and tells everyone: all ranks must load the same one
-    done = complete_checkpoints(ckpt_dir) if cfg["resume"] else []
-    choice = [done[-1] if done else None]
-    torch.distributed.broadcast_object_list(choice, src=0)
-    if choice[0] is not None:
-        step, tag = choice[0]
-        if not os.path.exists(os.path.join(ckpt_dir, tag, "COMPLETE")):
-            raise configurator.ConfigError(f"rank {rank} cannot see {ckpt_dir}/{tag}: out_dir must be on storage "
-                                           f"that every node shares")
-        with open(os.path.join(ckpt_dir, tag, "COMPLETE")) as f:
-            meta = json.load(f)
-        if meta["step"] >= cfg["max_steps"]:
-            log(f"run already complete: {ckpt_dir}/{tag} is at step {meta['step']} of max_steps "
-                f"{cfg['max_steps']}; raise --max_steps to go on")
-            return 0
-        # what the run's function depends on must not change under it: the model, the data stream, the masks
-        # (mask_ratio; mask_strata, whose default follows cp) and the compute dtype (resolved: 'auto' is bf16 on
-        # GPU). Older checkpoints lack some keys: those are not compared.
-        def resolved(c, dt):
-            return {**{k: c.get(k) for k in ("model_size", "patch", "seed", "strategy", "crop", "cp", "micro_batch",
-                                              "grad_accum", "mask_ratio")},
-                    "mask_strata": (c.get("mask_strata") or c.get("cp")) if "mask_strata" in c else None,
-                    "dtype": dt}
-        was = resolved(meta["config"], meta.get("dtype"))
-        now = resolved(json.loads(json.dumps(cfg)), str(job.dtype))  # tuples come back as lists
-        for key in was:
-            if was[key] is not None and was[key] != now[key]:
-                raise configurator.ConfigError(
-                    f"checkpoint {ckpt_dir}/{tag} was trained with {key}={was[key]!r}, this run has {now[key]!r}: "
-                    f"set it back to resume, or use another out_dir to start a new run")
-        if meta["world"] != world:
-            raise configurator.ConfigError(
-                f"checkpoint {ckpt_dir}/{tag} was written by {meta['world']} ranks and this job has {world}: "
-                f"ZeRO partitions the optimizer state per rank, so resume with {meta['world']} ranks "
-                f"(NPROC={meta['world']} bash launch.sh ...)")
-        path, client = engine.load_checkpoint(ckpt_dir, tag=tag)
-        if path is None or client is None:
-            raise configurator.ConfigError(f"could not load {ckpt_dir}/{tag} (files missing?): move it aside to "
-                                           f"resume from the one before")
-        start = client["step"]
-        log(f"resumed from {ckpt_dir}/{tag} (step {start})")
+    start = checkpoint.resume(engine, cfg, ckpt_dir, world, job.dtype, log)
+    if start is None:
+        return 0  # the run is already complete
 
     # ---- the training loop. The prefetcher reads the next micro batches in threads while we compute.
     os.makedirs(cfg["out_dir"], exist_ok=True)
@@ -646,7 +509,7 @@ def main(argv):
                 t_last, data_time, steps_since, bytes_last = time.time(), 0.0, 0, job.sampler.bytes_read()
             if ckpt_now:
                 read_back()  # no checkpoint after a non-finite loss
-                save_checkpoint(engine, ckpt_dir, step + 1, {"step": step + 1, "config": cfg,
+                checkpoint.save(engine, ckpt_dir, step + 1, {"step": step + 1, "config": cfg,
                                                             "dtype": str(job.dtype),
                                                             "samples_seen": (step + 1) * job.global_batch},
                                 cfg["keep_ckpts"], rank)

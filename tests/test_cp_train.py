@@ -1,6 +1,5 @@
 """train.py with context parallelism: cp runs follow the cp = 1 trajectory; bad CP input fails early."""
 import pytest
-import torch
 
 import configurator
 import model as M

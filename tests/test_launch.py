@@ -5,7 +5,7 @@ import signal
 import subprocess
 import time
 
-import train
+import checkpoint
 from conftest import ROOT, job_env, run_train, small_args
 
 
@@ -86,9 +86,9 @@ def test_killed_rank_stops_the_job_and_relaunch_resumes(small_store, tmp_path):
     p = subprocess.Popen(["bash", "launch.sh", *args], cwd=ROOT, env=e, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and not train.complete_checkpoints(str(tmp_path / "ckpt")):
+    while time.time() < deadline and not checkpoint.complete_checkpoints(str(tmp_path / "ckpt")):
         time.sleep(0.5)
-    assert train.complete_checkpoints(str(tmp_path / "ckpt")), "no checkpoint was written"
+    assert checkpoint.complete_checkpoints(str(tmp_path / "ckpt")), "no checkpoint was written"
     workers = _pids_of(tmp_path)
     assert len(workers) >= 2, workers
     victim = max(workers)  # a worker (the launcher started before them)
@@ -99,7 +99,7 @@ def test_killed_rank_stops_the_job_and_relaunch_resumes(small_store, tmp_path):
     assert p.returncode != 0
     # torchrun's summary names the failed rank and how it died
     assert re.search(r"rank\s*:\s*\d+ \(local_rank", err) and ("Signal 9" in err or "SIGKILL" in err), err[-3000:]
-    done = train.complete_checkpoints(str(tmp_path / "ckpt"))
+    done = checkpoint.complete_checkpoints(str(tmp_path / "ckpt"))
     r = launch([*args, "--max_steps=" + str(done[-1][0] + 3)], NPROC="2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"(step {done[-1][0]})" in r.stdout
@@ -111,9 +111,9 @@ def test_death_during_checkpoint_write_leaves_the_previous_one_loadable(small_st
     # rank 1 dies after writing its shard of step 4, before the checkpoint is complete (a hook from outside)
     r = run_train(args, nproc=2, script="tests/train_hooks.py", env=job_env(MAE_FAULT="die_in_checkpoint:4:1"))
     assert r.returncode != 0 and "exitcode  : 17" in r.stderr, r.stderr[-3000:]
-    assert [s for s, _ in train.complete_checkpoints(str(tmp_path / "ckpt"))] == [2]
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "ckpt"))] == [2]
     assert (tmp_path / "ckpt" / "step_0000004").exists()  # the partial write is there, not marked complete
     again = launch(args, NPROC="2")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "(step 2)" in again.stdout  # resumed from the last complete checkpoint
-    assert [s for s, _ in train.complete_checkpoints(str(tmp_path / "ckpt"))] == [4, 6]
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "ckpt"))] == [4, 6]

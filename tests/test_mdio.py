@@ -1,7 +1,6 @@
 """MDIO compatibility, proven against the official library: SEG-Y -> MDIO v1 by `multidimio`'s segy_to_mdio,
 uploaded to a loopback S3, read through data.py, compared with segyio's reading of the same SEG-Y. Also
 MDIO v0 layout and plain Zarr arrays."""
-import json
 import os
 import subprocess
 import sys

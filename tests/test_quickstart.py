@@ -3,7 +3,7 @@ import os
 import subprocess
 
 from conftest import ROOT, job_env, read_log
-import train
+import checkpoint
 
 
 def launch(*args):
@@ -24,7 +24,7 @@ def test_quickstart_learns_checkpoints_and_resumes(tmp_path):
     first = sum(x["loss"] for x in log[:20]) / 20
     last = sum(x["loss"] for x in log[-20:]) / 20
     assert last <= 0.5 * first, (first, last)
-    assert [s for s, _ in train.complete_checkpoints(os.path.join(out, "ckpt"))] == [400, 500]
+    assert [s for s, _ in checkpoint.complete_checkpoints(os.path.join(out, "ckpt"))] == [400, 500]
     again = launch(*args)  # same command: finds the checkpoint, nothing left to do
     assert again.returncode == 0 and "run already complete" in again.stdout
     more = launch(*args, "--max_steps=505")  # asked for more: resumes from step 500

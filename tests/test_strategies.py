@@ -2,7 +2,7 @@
 checkpoints."""
 import pytest
 
-import train
+import checkpoint
 from conftest import read_log, run_train, small_args
 
 
@@ -19,7 +19,7 @@ def test_strategy_matches_zero2_and_resumes_from_its_own_checkpoint(strategy, sm
     args = dict(max_steps=5, grad_accum=2, strategy=strategy)
     a = run_train(small_args(small_store, tmp_path, stop_step=3, **args), nproc=2)  # steps 0-2, checkpoint, stop
     assert a.returncode == 0, a.stderr[-3000:]
-    assert [s for s, _ in train.complete_checkpoints(str(tmp_path / "ckpt"))] == [3]
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "ckpt"))] == [3]
     b = run_train(small_args(small_store, tmp_path, **args), nproc=2)  # resumes: steps 3-4
     assert b.returncode == 0, b.stderr[-3000:]
     assert "resumed from" in b.stdout

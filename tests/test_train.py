@@ -1,6 +1,5 @@
 """train.py as real jobs: ZeRO-2 gradient averaging, exact resume, divergence handling, bad input."""
 import glob
-import math
 import os
 
 import pytest
@@ -8,6 +7,7 @@ import torch
 
 import configurator
 import data
+import checkpoint
 import train
 from conftest import read_log, run_train, small_args
 
@@ -44,7 +44,7 @@ def test_stop_and_resume_is_exact(small_store, tmp_path):
     assert full.returncode == 0, full.stderr[-3000:]
     part = run_train(small_args(small_store, tmp_path / "part", max_steps=8, grad_accum=2, stop_step=4), nproc=2)
     assert part.returncode == 0, part.stderr[-3000:]
-    assert [s for s, _ in train.complete_checkpoints(str(tmp_path / "part" / "ckpt"))] == [4]
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "part" / "ckpt"))] == [4]
     rest = run_train(small_args(small_store, tmp_path / "part", max_steps=8, grad_accum=2), nproc=2)
     assert rest.returncode == 0, rest.stderr[-3000:]
     assert "resumed from" in rest.stdout
@@ -59,7 +59,7 @@ def test_stop_and_resume_is_exact(small_store, tmp_path):
     # going on with another world size is a clear error (ZeRO shards are per rank), not a traceback
     other = run_train(small_args(small_store, tmp_path / "part", max_steps=10, grad_accum=2), nproc=1)
     assert other.returncode == 2 and "written by 2 ranks and this job has 1" in other.stderr, other.stderr[-2000:]
-    assert [s for s, _ in train.complete_checkpoints(str(tmp_path / "part" / "ckpt"))] == [4, 8]
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "part" / "ckpt"))] == [4, 8]
 
 
 def test_resume_refuses_a_changed_mask_or_dtype(small_store, tmp_path):
@@ -79,7 +79,7 @@ def test_resume_refuses_a_changed_mask_or_dtype(small_store, tmp_path):
 def test_keeps_newest_complete_checkpoints(small_store, tmp_path):
     r = run_train(small_args(small_store, tmp_path, max_steps=5, ckpt_interval=1, keep_ckpts=2), nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert [s for s, _ in train.complete_checkpoints(str(tmp_path / "ckpt"))] == [4, 5]
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "ckpt"))] == [4, 5]
 
 
 def test_divergence_stops_with_step_and_no_bad_checkpoint(small_store, tmp_path):
@@ -88,7 +88,7 @@ def test_divergence_stops_with_step_and_no_bad_checkpoint(small_store, tmp_path)
     msg = r.stderr.strip().splitlines()[-1]
     assert msg.startswith("error: non-finite") and " step " in msg, msg
     # every checkpoint that was written holds finite weights
-    for _, tag in train.complete_checkpoints(str(tmp_path / "ckpt")):
+    for _, tag in checkpoint.complete_checkpoints(str(tmp_path / "ckpt")):
         (f,) = glob.glob(str(tmp_path / "ckpt" / tag / "mp_rank_00_model_states.pt"))
         sd = torch.load(f, map_location="cpu", weights_only=False)["module"]
         assert all(torch.isfinite(v).all() for v in sd.values()), tag
@@ -146,7 +146,7 @@ def test_fsync_tree_flushes_every_file_and_directory(tmp_path, monkeypatch):
         (tmp_path / rel).write_bytes(b"w")
     synced, real = set(), os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.add(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
-    train.fsync_tree(str(tmp_path))
+    checkpoint.fsync_tree(str(tmp_path))
     assert synced == {str(p) for p in tmp_path.rglob("*")} | {str(tmp_path)}  # every file and directory
 
 
@@ -173,7 +173,7 @@ def test_checkpoint_is_on_disk_before_it_is_marked_complete(tmp_path, monkeypatc
 
         monkeypatch.setattr(os, "fsync", fsync)
         monkeypatch.setattr(os, "replace", replace)
-        train.save_checkpoint(engine, str(tmp_path), 5, {"step": 5, "config": cfg}, keep=2, rank=0)
+        checkpoint.save(engine, str(tmp_path), 5, {"step": 5, "config": cfg}, keep=2, rank=0)
     finally:
         dist.destroy_process_group()
     step_dir = tmp_path / "step_0000005"
@@ -184,4 +184,4 @@ def test_checkpoint_is_on_disk_before_it_is_marked_complete(tmp_path, monkeypatc
     assert str(step_dir / "COMPLETE.tmp") in before  # the marker's own bytes
     after = [p for kind, p in events[complete:] if kind == "fsync"]
     assert after[:2] == [str(step_dir), str(tmp_path)], after
-    assert [s for s, _ in train.complete_checkpoints(str(tmp_path))] == [5]
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path))] == [5]

@@ -1,0 +1,159 @@
+"""
+Checkpoints: save, find and resume, for every strategy (train.py's engines: DeepSpeed ZeRO-2/3, FSDP2).
+
+    save(engine, ckpt_dir, step, client_state, keep, rank)   all ranks; COMPLETE written last
+    complete_checkpoints(ckpt_dir)                          [(step, tag)] that resume may take
+    resume(engine, cfg, ckpt_dir, world, dtype, log)        load the newest complete one: its step, 0, or None
+
+A checkpoint is out_dir/ckpt/step_NNNNNNN/ as the engine writes it, plus a COMPLETE marker written (atomically,
+after every shard is flushed to disk) only once every rank has saved. Resume takes the newest complete one, so
+a job killed mid-write resumes from the one before; nothing complete is ever rewritten.
+"""
+import errno
+import json
+import os
+import shutil
+
+import torch
+
+import configurator
+
+
+def complete_checkpoints(ckpt_dir):
+    """[(step, tag)] of complete checkpoints, oldest first."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    out = []
+    for tag in os.listdir(ckpt_dir):
+        if tag.startswith("step_") and os.path.exists(os.path.join(ckpt_dir, tag, "COMPLETE")):
+            out.append((int(tag[5:]), tag))
+    return sorted(out)
+
+
+def fsync_dir(path):
+    """Flush a directory's entries (new names, renames). Some network file systems refuse fsync on a
+    directory (EINVAL): they commit entries on their own, so that is not an error."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path):
+    """Flush every file under `path`, then every directory's entries."""
+    for root, _, names in os.walk(path):
+        for name in names:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
+def save(engine, ckpt_dir, step, client_state, keep, rank):
+    import torch.distributed as dist
+    tag = f"step_{step:07d}"
+    path = os.path.join(ckpt_dir, tag)
+    if (step, tag) in complete_checkpoints(ckpt_dir):
+        return  # already saved (a resumed run that had nothing left to do): never rewrite a good one
+    # never save non-finite weights: check on every rank, agree on the answer
+    finite = torch.tensor([float(all(torch.isfinite(p).all() for p in local_params(engine)))],
+                          device=next(engine.module.parameters()).device)  # NCCL reduces only CUDA tensors
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if finite.item() < 1:
+        raise FloatingPointError(f"weights are non-finite after step {step}: checkpoint {tag} NOT written; "
+                                 f"the newest good one is kept. Lower blr or raise warmup_steps.")
+    if rank == 0 and os.path.isdir(path):
+        shutil.rmtree(path)  # a leftover of a write that died before it completed
+    dist.barrier()
+    engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
+    dist.barrier()  # every rank has written its shard
+    # ... and the shards are on disk before COMPLETE says so: a crash or power loss right after the marker must
+    # not leave it pointing at data still in a page cache. One rank per node flushes every file (on a shared
+    # file system each node's client flushes what that node wrote; locally one flush covers all ranks).
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        fsync_tree(path)
+    dist.barrier()
+    if rank == 0:
+        meta = {"step": step, "world": dist.get_world_size(), "dtype": client_state.get("dtype"),
+                "config": client_state["config"]}
+        with open(os.path.join(path, "COMPLETE.tmp"), "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(path, "COMPLETE.tmp"), os.path.join(path, "COMPLETE"))
+        fsync_dir(path)  # the rename itself
+        fsync_dir(ckpt_dir)  # and the checkpoint's own entry, before older checkpoints are deleted
+        done = complete_checkpoints(ckpt_dir)
+        for _, old in done[:-keep]:
+            shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
+    dist.barrier()
+
+
+def local_params(engine):
+    """This rank's own values of the weights, under any strategy: ZeRO-3 keeps them in p.ds_tensor (p itself
+    is an empty placeholder between uses), FSDP2 in DTensor shards."""
+    for p in engine.module.parameters():
+        if hasattr(p, "ds_tensor"):
+            yield p.ds_tensor
+        elif hasattr(p, "to_local"):
+            yield p.to_local()
+        else:
+            yield p
+
+
+def resume(engine, cfg, ckpt_dir, world, dtype, log):
+    """Load the newest complete checkpoint in ckpt_dir into `engine` (all ranks; rank 0 chooses). Returns the
+    step to continue from (0: nothing to resume), or None when that checkpoint already reached max_steps.
+    Raises ConfigError, before anything is trained, when the checkpoint cannot be continued by this run."""
+    if not cfg["resume"] and complete_checkpoints(ckpt_dir):
+        raise configurator.ConfigError(f"{ckpt_dir} holds checkpoints of an earlier run and resume=False: use a new "
+                                       f"out_dir (mixing two runs' checkpoints in one directory is never safe)")
+    # rank 0 decides which checkpoint to resume from and tells everyone: all ranks must load the same one
+    done = complete_checkpoints(ckpt_dir) if cfg["resume"] else []
+    choice = [done[-1] if done else None]
+    torch.distributed.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return 0
+    _, tag = choice[0]
+    if not os.path.exists(os.path.join(ckpt_dir, tag, "COMPLETE")):
+        raise configurator.ConfigError(f"rank {torch.distributed.get_rank()} cannot see {ckpt_dir}/{tag}: out_dir "
+                                       f"must be on storage that every node shares")
+    with open(os.path.join(ckpt_dir, tag, "COMPLETE")) as f:
+        meta = json.load(f)
+    if meta["step"] >= cfg["max_steps"]:
+        log(f"run already complete: {ckpt_dir}/{tag} is at step {meta['step']} of max_steps "
+            f"{cfg['max_steps']}; raise --max_steps to go on")
+        return None
+
+    # what the run's function depends on must not change under it: the model, the data stream, the masks
+    # (mask_ratio; mask_strata, whose default follows cp) and the compute dtype (resolved: 'auto' is bf16 on
+    # GPU). Older checkpoints lack some keys: those are not compared.
+    def resolved(c, dt):
+        return {**{k: c.get(k) for k in ("model_size", "patch", "seed", "strategy", "crop", "cp", "micro_batch",
+                                          "grad_accum", "mask_ratio")},
+                "mask_strata": (c.get("mask_strata") or c.get("cp")) if "mask_strata" in c else None,
+                "dtype": dt}
+    was = resolved(meta["config"], meta.get("dtype"))
+    now = resolved(json.loads(json.dumps(cfg)), str(dtype))  # tuples come back as lists
+    for key in was:
+        if was[key] is not None and was[key] != now[key]:
+            raise configurator.ConfigError(
+                f"checkpoint {ckpt_dir}/{tag} was trained with {key}={was[key]!r}, this run has {now[key]!r}: "
+                f"set it back to resume, or use another out_dir to start a new run")
+    if meta["world"] != world:
+        raise configurator.ConfigError(
+            f"checkpoint {ckpt_dir}/{tag} was written by {meta['world']} ranks and this job has {world}: "
+            f"ZeRO partitions the optimizer state per rank, so resume with {meta['world']} ranks "
+            f"(NPROC={meta['world']} bash launch.sh ...)")
+    path, client = engine.load_checkpoint(ckpt_dir, tag=tag)
+    if path is None or client is None:
+        raise configurator.ConfigError(f"could not load {ckpt_dir}/{tag} (files missing?): move it aside to "
+                                       f"resume from the one before")
+    log(f"resumed from {ckpt_dir}/{tag} (step {client['step']})")
+    return client["step"]
