@@ -507,8 +507,8 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt):
     transient: the largest short-lived working set on top: with checkpointing one block recomputed in
       backward (17C per token); the head's predictions for all tokens (elem), and for the masked ones their
       gathered copy and its fp32 cast, the gathered targets and their fp32 cast, the squared error (in
-      backward the same sizes again, scattered back into an all-token gradient); the input slab in fp32 and in
-      the compute dtype, and its patchified copy."""
+      backward the same sizes again, scattered back into an all-token gradient); the input slab (it arrives in
+      the compute dtype: train.prepare_batch casts it on the host) and its patchified copy."""
     ne, nd = (m.n_keep() + 1) / cp, m.L / cp
     nm = (m.L - m.n_keep()) / cp  # masked tokens on this rank
     persistent, recompute = 0.0, 0.0
@@ -522,7 +522,7 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt):
     # around the blocks: visible patches (patch_embed input), final norm and decoder_embed inputs, decoder norm
     # and head inputs, and the int64 gather indices
     persistent += (ne * (m.P + 2 * m.dim) + nd * 2 * m.dec_dim) * elem + (ne + nd + nm) * 8
-    transient = recompute + nd * m.P * elem + nm * m.P * (2 * elem + 3 * 4) + nd * m.P * (4 + 2 * elem)
+    transient = recompute + nd * m.P * elem + nm * m.P * (2 * elem + 3 * 4) + nd * m.P * 2 * elem
     return micro_batch * persistent, micro_batch * transient
 
 

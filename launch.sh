@@ -31,7 +31,7 @@
 set -euo pipefail
 NODE=0
 if [ "${1:-}" = "--node" ]; then NODE=1; shift; fi  # started by launch.sh itself on one node (see above)
-# the repository: this file's folder (sbatch runs `bash /abs/path/launch.sh`, never a spool copy of it)
+# the repository: this file's folder (the sbatch job runs `bash /abs/path/launch.sh`, never a spool copy of it)
 ROOT=$(cd "$(dirname "$0")" && pwd)
 cd "$ROOT"
 
@@ -200,12 +200,15 @@ case "$MODE" in
   slurm)
     if [ -z "${SLURM_JOB_ID:-}" ]; then  # not in an allocation yet: submit this script for the config's nodes
       mkdir -p "$LOG_DIR"
-      # the job runs `bash /abs/path/launch.sh ...` in the repository (--wrap: no copy of this file in slurmd's
-      # spool), which finds itself in the allocation and starts the step. No --export: the job takes this
-      # environment as it is (sbatch's default), and nothing in it can make the batch script a node.
+      # the job is a two-line bash script (on stdin: no copy of this file in slurmd's spool, and bash, not sh,
+      # reads the quoting) that runs `bash /abs/path/launch.sh ...` in the repository; it finds itself in the
+      # allocation and starts the step. --export=ALL: this environment goes with the job (whatever a site's
+      # SBATCH_EXPORT says), and nothing in it can make the batch script a node.
       exec sbatch --job-name=seismic-mae --nodes="$NODES" --ntasks-per-node=1$(slurm_gpu_flag "") --exclusive \
-        --chdir="$ROOT" --output="$LOG_DIR/%x_%j.out" \
-        --wrap="exec env PYTHON=$(printf '%q' "$PYTHON") bash $(printf '%q' "$ROOT/launch.sh") $(printf '%q ' "$@")"
+        --chdir="$ROOT" --output="$LOG_DIR/%x_%j.out" --export=ALL <<EOF
+#!/bin/bash
+exec env PYTHON=$(printf '%q' "$PYTHON") bash $(printf '%q' "$ROOT/launch.sh") $(printf '%q ' "$@")
+EOF
     fi
     if [ "${SLURM_JOB_NUM_NODES:-1}" -lt "$NODES" ]; then
       echo "error: the config asks for $NODES nodes but this allocation has ${SLURM_JOB_NUM_NODES:-1}" >&2
@@ -222,7 +225,8 @@ case "$MODE" in
       # at the address SLURM reaches it by (NodeAddr: the node's name unless slurm.conf says otherwise)
       # (sed, not head: head would close the pipe early, and under pipefail scontrol's SIGPIPE kills the step)
       first=$(scontrol show hostnames "${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}" | sed -n 1p)
-      HEAD=$(scontrol -o show node "$first" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | sed -n 's/^NodeAddr=//p')
+      # (a node hidden by PrivateData, or a controller briefly away: fall back to the name, never die here)
+      HEAD=$({ scontrol -o show node "$first" 2>/dev/null || true; } | sed -n 's/.*NodeAddr=\([^ ]*\).*/\1/p')
       HEAD=${HEAD:-$first}
     fi
     echo "launch.sh: node ${SLURM_NODEID:-${NODE_RANK:-?}} of $NODES, head $HEAD:$PORT, $NPROC rank(s)" >&2

@@ -286,10 +286,25 @@ def setup(cfg):
     init = {n: p.detach().clone() for n, p in model.named_parameters()} if dtype != torch.float32 else None
     job.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=job.optimizer, config=ds_config)
     if init is not None:
-        from deepspeed.utils import safe_set_full_fp32_param
         for n, p in job.engine.module.named_parameters():
-            safe_set_full_fp32_param(p, init[n].to(job.device))
+            set_fp32_master(job.engine.optimizer, p, init[n].to(job.device))
     return job
+
+
+def set_fp32_master(opt, p, value):
+    """Write `value` (the whole parameter, fp32) into this rank's fp32 master copy of parameter p. ZeRO-2:
+    DeepSpeed's own setter. ZeRO-3: its setter cuts this rank's slice with narrow(), which runs past the end on
+    the last rank when p's size does not divide by the world size (the partitions are padded): 24 ranks and a
+    1024-wide layer, say. So the slice is cut here, clipped to the parameter, the padding left alone."""
+    from deepspeed.utils import safe_set_full_fp32_param
+    if not hasattr(p, "ds_id"):
+        return safe_set_full_fp32_param(p, value)
+    part, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False)
+    flat = value.flatten()
+    lo = opt._get_param_partition_rank(p) * p.partition_numel()  # every rank's partition: the padded size
+    hi = min(lo + part.numel(), flat.numel())
+    if hi > lo:
+        part.data[: hi - lo].copy_(flat[lo:hi])
 
 
 def make_optimizer(model, cfg, lr):
@@ -489,6 +504,8 @@ def main(argv):
         for step in range(start, end):
             t_step = time.time()
             step_loss, lr, wait = train_step(job, step, batches)
+            # (step_s in log.jsonl: host time; on GPU, without a sync per step, the time to queue the step's work.
+            # The log line's ms/step spans a read-back, a sync, so it is the device's time too.)
             pending.append((step, step_loss, lr, time.time() - t_step, wait))
             data_time += wait
             steps_since += 1

@@ -69,3 +69,15 @@ def test_the_training_thread_converts_no_batch(small_store, tmp_path):
     prof = json.load(open(tmp_path / "profile.json"))
     on_training_thread = [c for c in prof["copies"] if c["thread"] == prof["training_thread"]]
     assert len(on_training_thread) == 1 and on_training_thread[0]["control"], prof  # the control, and no other
+
+
+def test_deepspeed_masters_start_from_the_fp32_init_on_3_ranks(small_store, tmp_path):
+    """DeepSpeed builds its fp32 masters from the bf16-cast model; train.py writes the fp32 init into them. On 3
+    ranks, where the 64-wide decoder's parameters do not divide into equal partitions (ZeRO-3's own setter would
+    read past the end of the last rank's slice), every master equals the init exactly."""
+    for strategy in ("zero3", "zero2"):
+        out = tmp_path / strategy
+        r = run_train(small_args(small_store, out, max_steps=1, micro_batch=1, dtype="bfloat16", strategy=strategy),
+                      nproc=3, script="tests/train_hooks.py", env=job_env(MAE_MASTERS=str(tmp_path / f"{strategy}.json")))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.load(open(tmp_path / f"{strategy}.json")) == [], strategy

@@ -30,7 +30,7 @@ def test_dry_run_big_context_prints_the_cluster_commands_and_the_fit():
 
 
 def test_slurm_mode_detection_inside_steps():
-    """Our own srun step is MODE=node (launch.sh exports it); without MODE, a step with a terminal (a user's
+    """Our own srun step runs `launch.sh --node` (see the next test); without MODE, a step with a terminal (a user's
     `srun --pty bash`) starts the node steps itself, sharing the interactive step's resources (--overlap); a
     step without one (a user's `srun bash launch.sh` per node) is a node; the batch script, salloc's
     interactive step and a plain salloc shell (no step) start the steps."""

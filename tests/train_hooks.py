@@ -6,6 +6,8 @@ MAE_FAULT=die_in_checkpoint:STEP:RANK   that rank dies (exit 17) right after its
                                         written, before the checkpoint is marked complete: a node lost mid-write.
 MAE_PROBE=DIR                           every forward appends to DIR/rank<R>.jsonl what reached the model: the
                                         batch's dtype and the kept token ids (after any strategy's input cast).
+MAE_MASTERS=FILE                        after setup, FILE (rank 0) gets the parameters whose fp32 master copy in
+                                        DeepSpeed's optimizer differs from the fp32 init (made again, same seed).
 MAE_PROFILE=FILE                        step 2 runs under the CPU profiler; FILE gets every copy (aten::_to_copy)
                                         of a batch-shaped tensor, with the profiler's id of its thread. As a
                                         control, one batch-sized conversion is made on the training thread inside
@@ -17,6 +19,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
 
 import model  # noqa: E402
 import train  # noqa: E402
@@ -50,9 +54,26 @@ if probe:
         return real_forward(self, x, noise, ids_keep)
     model.MAE.forward = forward
 
+masters_to = os.environ.get("MAE_MASTERS")
+if masters_to:
+    from deepspeed.utils import safe_get_full_fp32_param
+    real_setup_m = train.setup
+
+    def setup(cfg):
+        job = real_setup_m(cfg)
+        torch.manual_seed(cfg["seed"])  # setup's init, again
+        init = dict(model.MODELS[cfg["model_size"]](grid=job.grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
+                                                    mask_strata=cfg["mask_strata"] or job.cp).named_parameters())
+        differ = [n for n, p in job.engine.module.named_parameters()  # (a collective under ZeRO-3: every rank)
+                  if not torch.equal(safe_get_full_fp32_param(p).cpu(), init[n].detach())]
+        if job.rank == 0:
+            with open(masters_to, "w") as f:
+                json.dump(differ, f)
+        return job
+    train.setup = setup
+
 profile_to = os.environ.get("MAE_PROFILE")
 if profile_to:
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     real_step = train.train_step
 
