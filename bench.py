@@ -953,7 +953,8 @@ def run_2ranks(argv, out, script="train.py", env=None, nproc=2):
     if r.returncode != 0:
         print(r.stderr[-3000:], file=sys.stderr)
         raise SystemExit(f"{script} {' '.join(argv)} failed")
-    return [json.loads(x) for x in open(os.path.join(out, "log.jsonl"))], r.stdout
+    rows = [json.loads(x) for x in open(os.path.join(out, "log.jsonl"))]
+    return [x for x in rows if "loss" in x], r.stdout  # the training records (not the validation ones)
 
 
 def bench_strategies(argv, steps=40, warmup=10):

@@ -126,7 +126,7 @@ def resume(engine, cfg, ckpt_dir, world, dtype, log):
                                        f"must be on storage that every node shares")
     with open(os.path.join(ckpt_dir, tag, "COMPLETE")) as f:
         meta = json.load(f)
-    if meta["step"] >= cfg["max_steps"]:
+    if meta["step"] >= cfg["max_steps"] and not cfg.get("eval_only"):
         log(f"run already complete: {ckpt_dir}/{tag} is at step {meta['step']} of max_steps "
             f"{cfg['max_steps']}; raise --max_steps to go on")
         return None

@@ -11,7 +11,10 @@ Seismic volumes in, training samples out.
                              (seed, global sample index), and the global index a function of
                              (step, micro step, dp_rank, position in the micro batch): so a resumed run
                              reads exactly what an uninterrupted run would have read, and 1 rank with
-                             batch 2b sees the same samples as 2 ranks with batch b.
+                             batch 2b sees the same samples as 2 ranks with batch b. A held-out part
+                             (split_inline) keeps training crops off the last val_frac of each volume's
+                             inline axis and puts validation crops inside it; validation samples are a
+                             stream of their own (seed, validation index).
 
 Normalisation uses per-volume statistics from the store's metadata (not per sample): the amplitude
 scale of a survey carries meaning, and inference must normalise the same way. Dead traces are stored
@@ -384,6 +387,47 @@ class Volume:
 # 4. the sampler
 
 
+def split_inline(vol, part, crop_inline):
+    """The inline range [lo, hi) of `vol` that crops of `part` lie in. part None: the whole axis. ("train", f)
+    and ("val", f): the last round(n * f) inline planes are held out for validation, the rest is training's:
+        n = 128, f = 0.25  ->  training crops in [0, 96), validation crops in [96, 128)
+    A crop lies wholly inside its range, so no training crop ever touches a validation voxel. Either range too
+    short for a crop is an error now, naming the volume and what to change."""
+    n = vol.shape[0]
+    if part is None:
+        return 0, n
+    which, frac = part
+    b = n - int(round(n * frac))
+    lo, hi = (0, b) if which == "train" else (b, n)
+    if hi - lo < crop_inline:
+        if which == "val":
+            fix = (f"raise val_frac to at least {crop_inline / n:.3g} (= crop[0] / inlines), lower crop[0], or give "
+                   f"held-out stores in val_paths")
+        else:
+            fix = f"lower val_frac (at most {(n - crop_inline) / n:.3g} leaves room), lower crop[0], or use val_paths"
+        raise DataError(f"{vol.url!r} has {n} inlines; val_frac={frac} leaves inlines [{lo}, {hi}) = {hi - lo} for "
+                        f"{'validation' if which == 'val' else 'training'}, fewer than a crop's {crop_inline}: {fix}")
+    return lo, hi
+
+
+def _draw(rng, lo, hi, c, ch, align):
+    """A crop origin along one axis: the crop [o, o + c) inside [lo, hi), which holds it. align: on a chunk
+    boundary where the crop is at least a chunk (ch), else inside one chunk; where the range has no such place
+    (a held-out range that starts mid-chunk), anywhere in it. With lo = 0, hi = the axis length, the draws
+    are those of the whole-volume sampler."""
+    if align and c >= ch:
+        k0, k1 = -(-lo // ch), (hi - c) // ch  # chunk boundaries k * ch with the crop inside [lo, hi)
+        if k1 >= k0:
+            return (k0 + int(rng.integers(0, k1 - k0 + 1))) * ch
+    elif align:  # chunks whose part inside [lo, hi) holds a crop (the last chunk may be short)
+        ks = [k for k in range(lo // ch, (hi - c) // ch + 1) if min((k + 1) * ch, hi) - max(k * ch, lo) >= c]
+        if ks:
+            k = ks[int(rng.integers(0, len(ks)))]
+            a, b = max(k * ch, lo), min((k + 1) * ch, hi)
+            return a + int(rng.integers(0, b - a - c + 1))
+    return lo + int(rng.integers(0, hi - lo - c + 1))
+
+
 class Sampler:
     """Random crops of shape `crop` from `paths`. Every rank constructs the same Sampler; batch() picks
     the samples that belong to (step, micro, dp_rank), and reads this rank's CP slab of each.
@@ -395,7 +439,7 @@ class Sampler:
       opts          ReadOptions: requests in flight, retries, timeouts, S3 access"""
 
     def __init__(self, paths, crop, seed=0, micro_batch=1, dp_rank=0, dp_size=1, grad_accum=1, cp_rank=0,
-                 cp_size=1, align=False, min_live=0.0, opts=None):
+                 cp_size=1, align=False, min_live=0.0, opts=None, part=None, stream="train"):
         from concurrent.futures import ThreadPoolExecutor
         if isinstance(paths, str):
             paths = [paths]
@@ -406,6 +450,11 @@ class Sampler:
             if any(c > s for c, s in zip(self.crop, v.shape)):
                 raise DataError(f"crop {self.crop} is larger than the volume {v.shape} of {v.url!r}: choose a "
                                 f"crop no larger than every volume along each axis")
+        # part: None (whole volumes) or ("train" | "val", val_frac): the inline range [lo, hi) of each volume that
+        # this sampler's crops lie in (split_inline). stream: "train" or "val", which random stream the crops and
+        # masks come from, so that validation sample i is the same whatever the training run around it.
+        self.part, self.stream = part, stream
+        self.inline = [split_inline(v, part, self.crop[0]) for v in self.volumes]
         self.seed, self.micro_batch, self.grad_accum = seed, micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
         # context parallelism: the cp ranks of a group read the same samples, each only its slab of
@@ -424,21 +473,15 @@ class Sampler:
         return ((step * self.grad_accum + micro) * self.dp_size + self.dp_rank) * self.micro_batch + i
 
     def locate(self, g):
-        """Which volume and which crop origin global sample g reads: a function of (seed, g) alone. Crops
-        below min_live are redrawn from the same random stream, so every rank and every resume agrees."""
-        rng = np.random.default_rng([self.seed, g])
+        """Which volume and which crop origin sample g of this sampler's stream reads: a function of (seed, g)
+        alone (training: key [seed, g]; validation: [seed, g, 2], another stream). Crops below min_live are
+        redrawn from the same random stream, so every rank and every resume agrees."""
+        rng = np.random.default_rng([self.seed, g] + ([2] if self.stream == "val" else []))
         for _ in range(1000):
             v = int(rng.integers(len(self.volumes)))
             vol = self.volumes[v]
-            origin = []
-            for s, c, ch in zip(vol.shape, self.crop, vol.chunks):
-                if self.align and c >= ch:
-                    origin.append(int(rng.integers(0, (s - c) // ch + 1)) * ch)
-                elif self.align:  # inside one chunk (the last chunk may be short)
-                    k = int(rng.integers(0, (s - c) // ch + 1))
-                    origin.append(k * ch + int(rng.integers(0, min(ch, s - k * ch) - c + 1)))
-                else:
-                    origin.append(int(rng.integers(0, s - c + 1)))
+            ranges = [self.inline[v]] + [(0, s) for s in vol.shape[1:]]  # the held-out split is along inline
+            origin = [_draw(rng, lo, hi, c, ch, self.align) for (lo, hi), c, ch in zip(ranges, self.crop, vol.chunks)]
             if self.min_live <= 0 or vol.live_fraction(origin, self.crop) >= self.min_live:
                 return v, tuple(origin)
         raise DataError(f"no crop of {self.crop} with a live-trace fraction >= {self.min_live} found in 1000 draws: "
@@ -450,11 +493,14 @@ class Sampler:
         origin = (origin[0] + self.cp_rank * self.slab[0],) + origin[1:]
         return self.volumes[v].read(origin, self.slab, pool=self.pool)
 
+    def read(self, ids):
+        """(len(ids), 1, crop[0] / cp, crop[1], crop[2]) float32 tensor: this rank's slabs of samples `ids`."""
+        return torch.from_numpy(np.stack(list(self.sample_pool.map(self.sample, ids)))[:, None])
+
     def batch(self, step, micro=0):
         """(micro_batch, 1, crop[0] / cp, crop[1], crop[2]) float32 tensor, and the global sample indices."""
         ids = [self.global_index(step, micro, i) for i in range(self.micro_batch)]
-        x = np.stack(list(self.sample_pool.map(self.sample, ids)))[:, None]
-        return torch.from_numpy(x), ids
+        return self.read(ids), ids
 
     def bytes_read(self):
         return sum(v.bytes_read for v in self.volumes)
@@ -464,12 +510,14 @@ class Sampler:
         self.pool.shutdown(wait=True)
 
 
-def mask_noise(seed, ids, L, cp_rank=0, cp_size=1):
-    """Masking noise for global sample indices `ids`, this rank's share: (len(ids), L / cp_size). Like the
-    crops, a function of the sample alone: identical within a CP group, different between samples, and
-    the same whatever the dp/cp layout or a resume (4 bytes per token: 4.7 MB at 1.2 M tokens)."""
+def mask_noise(seed, ids, L, cp_rank=0, cp_size=1, stream="train"):
+    """Masking noise for sample indices `ids` of a stream, this rank's share: (len(ids), L / cp_size). Like the
+    crops, a function of the sample alone (key [seed, g, 1]; validation [seed, g, 3]): identical within a CP
+    group, different between samples, and the same whatever the dp/cp layout or a resume (4 bytes per token:
+    4.7 MB at 1.2 M tokens)."""
     share = slice(cp_rank * L // cp_size, (cp_rank + 1) * L // cp_size)
-    return torch.from_numpy(np.stack([np.random.default_rng([seed, g, 1]).random(L, dtype=np.float32)[share]
+    key = 3 if stream == "val" else 1
+    return torch.from_numpy(np.stack([np.random.default_rng([seed, g, key]).random(L, dtype=np.float32)[share]
                                       for g in ids]))
 
 

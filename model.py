@@ -388,6 +388,18 @@ def mae_loss(pred, patches, ids_masked, norm_pix_loss=False):
     return err.sum(), torch.full((), float(rows.numel()), device=pred.device)  # a fill, not a host copy
 
 
+def pred_to_voxels(pred, patches, norm_pix_loss=False):
+    """The prediction (B, L, P) on the scale of the input voxels, fp32. With norm_pix_loss the decoder learnt
+    each target patch normalised by that patch's own mean and std (mae_loss), so its output is not voxels:
+    shown as if it were, every patch would look flat and dim. It is de-normalised with the target patch's
+    mean and std (the same + 1e-6), the inverse of what the loss did to the target:
+        voxels = pred * sqrt(var + 1e-6) + mean          (per patch, over its P voxels)"""
+    if not norm_pix_loss:
+        return pred.float()
+    t = patches.float()
+    return pred.float() * (t.var(dim=-1, keepdim=True) + 1e-6) ** 0.5 + t.mean(dim=-1, keepdim=True)
+
+
 # -----------------------------------------------------------------------------
 # 6. model sizes (encoder width / depth / heads after ViT; decoder 512 wide, 8 deep, as MAE)
 

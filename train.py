@@ -16,6 +16,7 @@ the masked count of the whole sample, multiplied by cp before backward; ZeRO ave
 the whole world, so the result is the mean over the dp_size samples, exactly as with cp = 1.
 """
 
+import importlib
 import json
 import math
 import os
@@ -28,6 +29,8 @@ import torch
 import checkpoint
 import configurator
 import data
+import evaluate
+import reconstruct
 import ring_attention
 from model import MODELS
 
@@ -73,6 +76,14 @@ dtype = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
 strategy = "zero2"  # zero2 (DeepSpeed ZeRO-2) | zero3 (DeepSpeed ZeRO-3) | fsdp2 (PyTorch fully_shard)
 zero_bucket = int(5e8)  # DeepSpeed's gradient bucket, in elements (its default): GPU memory vs. fewer collectives
 zero3_max_live = int(1e9)  # ZeRO-3: weights reused within this many elements stay gathered; caps prefetch too
+# validation (evaluate.py) and figures (reconstruct.py)
+val_paths = []  # held-out stores (local, s3://); empty: hold out the last val_frac of each training volume's inlines
+val_frac = 0.1  # inline fraction of each training volume held out (when val_paths is empty); 0 = no validation
+eval_interval = 100  # steps between evaluations (also one before the first step and one after the last)
+eval_samples = 16  # fixed validation samples: crops and masks are functions of (seed, validation index) only
+eval_only = False  # evaluate the newest complete checkpoint (val_loss and its figure), then exit
+figures = True  # rank 0 writes out_dir/figures/recon_step_N.png and loss.png at each evaluation (matplotlib)
+tensorboard = False  # also send scalars and figures to torch.utils.tensorboard, in out_dir/tb
 # logging and checkpoints
 log_interval = 10  # steps between log lines
 ckpt_interval = 100  # steps between checkpoints (one is also written at the end)
@@ -143,6 +154,18 @@ def validate(cfg):
     need(cfg["strategy"] in ("zero2", "zero3", "fsdp2"), f"strategy must be zero2|zero3|fsdp2, got {cfg['strategy']!r}")
     need(len(cfg["data_paths"]) >= 1, "data_paths is empty: list at least one MDIO/Zarr store")
     need(cfg["blr"] > 0 and cfg["min_lr"] >= 0, "blr must be > 0 and min_lr >= 0")
+    need(0.0 <= cfg["val_frac"] < 1.0, f"val_frac must be in [0, 1) (0 = no validation), got {cfg['val_frac']}")
+    need(cfg["eval_samples"] >= 1, f"eval_samples must be >= 1, got {cfg['eval_samples']} (val_frac=0 and no "
+                                   f"val_paths switch validation off)")
+    need(cfg["eval_interval"] >= 1, f"eval_interval must be >= 1, got {cfg['eval_interval']}")
+    need(not cfg["eval_only"] or cfg["val_paths"] or cfg["val_frac"] > 0,
+         "eval_only=True needs a validation set: val_paths, or val_frac > 0 as the run had")
+    if cfg["tensorboard"]:
+        try:
+            importlib.import_module("torch.utils.tensorboard")  # fail now, not after hours of training
+        except ImportError as e:
+            raise configurator.ConfigError(f"tensorboard=True but torch.utils.tensorboard cannot be imported ({e}): "
+                                           f"pip install tensorboard, or drop tensorboard=True") from None
 
 
 def get_lr(step, peak_lr, cfg):
@@ -219,10 +242,18 @@ def setup(cfg):
     dist.barrier()
     opts = data.ReadOptions(in_flight=cfg["in_flight"], retries=cfg["read_retries"], timeout_s=cfg["read_timeout_s"],
                             anon=cfg["s3_anon"], endpoint_url=cfg["s3_endpoint"] or None)
+    # held out: the val_paths stores, or else the last val_frac of every training volume's inline axis
+    held_out = not cfg["val_paths"] and cfg["val_frac"] > 0
     job.sampler = data.Sampler(cfg["data_paths"], cfg["crop"], seed=cfg["seed"], micro_batch=cfg["micro_batch"],
                                dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"],
                                cp_rank=job.cp_rank, cp_size=cp, align=cfg["align_crops"], min_live=cfg["min_live"],
-                               opts=opts)
+                               opts=opts, part=("train", cfg["val_frac"]) if held_out else None)
+    job.val_sampler = None
+    if cfg["val_paths"] or held_out:
+        job.val_sampler = data.Sampler(cfg["val_paths"] or cfg["data_paths"], cfg["crop"], seed=cfg["seed"],
+                                       micro_batch=cfg["micro_batch"], cp_rank=job.cp_rank, cp_size=cp,
+                                       align=cfg["align_crops"], min_live=cfg["min_live"], opts=opts,
+                                       part=("val", cfg["val_frac"]) if held_out else None, stream="val")
 
     # ---- model and optimizer. Same init on every rank (seeded), as data parallelism requires.
     torch.manual_seed(cfg["seed"])
@@ -334,6 +365,12 @@ class FSDP2Engine:
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def eval(self):
+        self.module.eval()
+
+    def train(self):
+        self.module.train()
 
     def backward(self, loss):
         (loss / self.cfg["grad_accum"]).backward()
@@ -472,12 +509,23 @@ def main(argv):
     # ---- resume from the newest complete checkpoint (checkpoint.py)
     ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
     start = checkpoint.resume(engine, cfg, ckpt_dir, world, job.dtype, log)
+    if cfg["eval_only"]:
+        if not start:
+            raise configurator.ConfigError(f"eval_only=True but {ckpt_dir} holds no complete checkpoint to evaluate")
+        val, _ = validation(job, start, None)  # draws its figure; log.jsonl is the run's, left alone
+        log(json.dumps({"step": start, "val_loss": val}))  # the last line: the value, as log.jsonl holds it
+        return 0
     if start is None:
         return 0  # the run is already complete
 
     # ---- the training loop. The prefetcher reads the next micro batches in threads while we compute.
     os.makedirs(cfg["out_dir"], exist_ok=True)
     log_file = open(os.path.join(cfg["out_dir"], "log.jsonl"), "a") if rank == 0 else None
+    tb = None
+    if cfg["tensorboard"] and rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+        tb = SummaryWriter(os.path.join(cfg["out_dir"], "tb"))
+    t_run, eval_time = time.time(), 0.0
     end = cfg["max_steps"] if cfg["stop_step"] <= 0 else min(cfg["max_steps"], cfg["stop_step"])
     batches = micro_batches(job, start, end)
     t_last, data_time, steps_since, bytes_last = time.time(), 0.0, 0, job.sampler.bytes_read()
@@ -495,10 +543,32 @@ def main(argv):
             if log_file:
                 log_file.write(json.dumps({"step": st, "loss": loss_, "lr": lr_, "step_s": round(t_, 5),
                                            "wait_s": round(w_, 5)}) + "\n")
+            if tb:
+                tb.add_scalar("loss/train", loss_, st)
+                tb.add_scalar("lr", lr_, st)
         if log_file:
             log_file.flush()
         pending.clear()
         return losses[-1] if losses else float("nan")
+
+    def validate_at(done):
+        """Evaluate the weights after `done` optimizer steps (the weights training step `done` starts from, and
+        checkpoint step_{done} holds): val_loss to the log, figures, tensorboard."""
+        nonlocal eval_time
+        if job.val_sampler is None:
+            return
+        read_back()  # the training records up to here are in log.jsonl before loss.png reads it
+        t0 = time.time()
+        val, fig = validation(job, done, log_file)
+        if tb:
+            tb.add_scalar("loss/val", val, done)
+            if fig is not None:
+                tb.add_figure("reconstruction", fig, done)
+            tb.flush()
+        eval_time += time.time() - t0
+
+    if start == 0:
+        validate_at(0)  # the untrained model: where the curve starts
 
     try:
         for step in range(start, end):
@@ -524,6 +594,8 @@ def main(argv):
                     f"{sps * model.L:,.0f} tok/s | {1000 * dt:.0f} ms/step | {speed} | data {gbps:.3f} GB/s/rank, "
                     f"wait {100 * data_time / (dt * steps_since):.1f}% | peak mem {mem:.2f} GB")
                 t_last, data_time, steps_since, bytes_last = time.time(), 0.0, 0, job.sampler.bytes_read()
+            if (step + 1) % cfg["eval_interval"] == 0 or step + 1 == cfg["max_steps"]:
+                validate_at(step + 1)  # before the checkpoint: a resume from it does not evaluate it again
             if ckpt_now:
                 read_back()  # no checkpoint after a non-finite loss
                 checkpoint.save(engine, ckpt_dir, step + 1, {"step": step + 1, "config": cfg,
@@ -532,10 +604,50 @@ def main(argv):
                                 cfg["keep_ckpts"], rank)
                 log(f"checkpoint step_{step + 1:07d} written to {ckpt_dir}")
         read_back()
+        wall = time.time() - t_run
+        if job.val_sampler is not None:
+            log(f"evaluation took {eval_time:.1f} s of the loop's {wall:.1f} s ({100 * eval_time / wall:.1f}%)")
     finally:
         batches.close()
         job.sampler.close()
+        if job.val_sampler is not None:
+            job.val_sampler.close()
+        if tb:
+            tb.close()
     return 0
+
+
+def validation(job, step, log_file):
+    """The validation loss of the model as it is now, which is after `step` optimizer steps: every rank
+    computes its share (evaluate.py), rank 0 logs it and draws the figures. Returns (val_loss, the
+    reconstruction Figure on rank 0 when figures are on, else None)."""
+    cfg, t0 = job.cfg, time.time()
+    job.engine.eval()
+    try:
+        val, per, slices = evaluate.run(job.engine, job.model, job.val_sampler, cfg["seed"], cfg["eval_samples"],
+                                        job.device, job.dtype, cfg["micro_batch"], job.cp_rank, job.cp,
+                                        job.dp_rank, job.dp_size, want_slices=cfg["figures"])
+    finally:
+        job.engine.train()
+    if not math.isfinite(val):
+        raise FloatingPointError(f"non-finite validation loss ({val}) at step {step}: stopping. Lower blr or raise "
+                                 f"warmup_steps, and check the validation data for NaN/inf outside dead traces.")
+    if log_file:  # (eval_s: the forward passes; the figures come after)
+        log_file.write(json.dumps({"step": step, "val_loss": val, "eval_s": round(time.time() - t0, 3)}) + "\n")
+        log_file.flush()
+    fig = None
+    if job.rank == 0 and cfg["figures"]:
+        fig_dir = os.path.join(cfg["out_dir"], "figures")
+        v, origin = job.val_sampler.locate(0)
+        store = os.path.basename(job.val_sampler.volumes[v].url.rstrip("/"))
+        title = reconstruct.figure_title(f"validation sample 0: {store}, crop {tuple(cfg['crop'])} at {origin}", step,
+                                         per[0], 1 - job.model.n_keep() / job.model.L, cfg["norm_pix_loss"])
+        fig = reconstruct.recon_figure(os.path.join(fig_dir, f"recon_step_{step:07d}.png"), slices, origin, title)
+        if log_file:
+            reconstruct.loss_figure(os.path.join(fig_dir, "loss.png"), log_file.name)
+    job.log(f"step {step:5d} | val loss {val:.4f} over {cfg['eval_samples']} held-out samples | "
+            f"{time.time() - t0:.2f} s")
+    return val, fig
 
 
 def cli(argv):

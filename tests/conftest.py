@@ -34,22 +34,32 @@ def run_train(args, nproc=1, timeout=600, env=None, script="train.py"):
 
 
 def read_log(out_dir):
+    """The training records of a run's log.jsonl (one per step), in order."""
     with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def read_val(out_dir):
+    """The validation records of a run's log.jsonl: [(step, val_loss)], in order."""
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [(r["step"], r["val_loss"]) for r in map(json.loads, f) if "val_loss" in r]
 
 
 @pytest.fixture(scope="session")
 def small_store(tmp_path_factory):
-    """A 32 x 32 x 64 synthetic volume with dead traces, as an MDIO v1 store in 16^3 chunks."""
+    """A 48 x 32 x 64 synthetic volume with dead traces, as an MDIO v1 store in 16^3 chunks."""
     path = str(tmp_path_factory.mktemp("data") / "small.mdio")
-    data.write_mdio(path, data.synthetic_volume((32, 32, 64), seed=3), chunks=(16, 16, 16))
+    data.write_mdio(path, data.synthetic_volume((48, 32, 64), seed=3), chunks=(16, 16, 16))
     return path
 
 
 def small_args(store, out_dir, **kw):
-    """A fast config for CPU tests: 16 x 16 x 32 crops in 8^3 patches = 16 tokens, tiny model."""
+    """A fast config for CPU tests: 16 x 16 x 32 crops in 8^3 patches = 16 tokens, tiny model. Validation on:
+    inlines 32..47 of the small store held out (val_frac 1/3), 3 samples (odd: 2 dp ranks get unequal shares),
+    every 3 steps; no figures (drawing them costs more than these runs' steps: the tests that check them ask)."""
     cfg = {"data_paths": [store], "out_dir": str(out_dir), "crop": (16, 16, 32), "patch": (8, 8, 8),
            "model_size": "tiny", "micro_batch": 2, "max_steps": 6, "warmup_steps": 2, "blr": 0.05,
-           "log_interval": 1, "ckpt_interval": 100}
+           "log_interval": 1, "ckpt_interval": 100, "val_frac": 1 / 3, "eval_samples": 3, "eval_interval": 3,
+           "figures": False}
     cfg.update(kw)
     return [f"--{k}={v!r}" if not isinstance(v, str) else f"--{k}={v}" for k, v in cfg.items()]

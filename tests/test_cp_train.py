@@ -4,7 +4,7 @@ import pytest
 import configurator
 import model as M
 import train
-from conftest import read_log, run_train, small_args
+from conftest import read_log, read_val, run_train, small_args
 
 
 def _losses(d):
@@ -25,6 +25,10 @@ def test_ten_steps_cp2_match_cp1(small_store, tmp_path):
     assert two.returncode == 0, two.stderr[-3000:]
     assert "dp 1 x cp 2 (ring)" in two.stdout
     _same(_losses(tmp_path / "cp1"), _losses(tmp_path / "cp2"))
+    # the held-out loss too, at steps 0, 3, 6, 9 and 10: every rank takes part, each holding a slab of each sample
+    v1, v2 = read_val(tmp_path / "cp1"), read_val(tmp_path / "cp2")
+    assert [s for s, _ in v1] == [s for s, _ in v2] == [0, 3, 6, 9, 10]
+    _same([v for _, v in v1], [v for _, v in v2])
 
 
 def test_dp2_x_cp2_matches_one_rank(small_store, tmp_path):
@@ -34,6 +38,7 @@ def test_dp2_x_cp2_matches_one_rank(small_store, tmp_path):
     assert four.returncode == 0, four.stderr[-3000:]
     assert "dp 2 x cp 2" in four.stdout
     _same(_losses(tmp_path / "a"), _losses(tmp_path / "b"))
+    _same([v for _, v in read_val(tmp_path / "a")], [v for _, v in read_val(tmp_path / "b")])  # dp 2 x cp 2 share 3
 
 
 @pytest.mark.parametrize("extra,nproc,expect", [

@@ -2,7 +2,7 @@
 import os
 import subprocess
 
-from conftest import ROOT, job_env, read_log
+from conftest import ROOT, job_env, read_log, read_val
 import checkpoint
 
 
@@ -25,6 +25,12 @@ def test_quickstart_learns_checkpoints_and_resumes(tmp_path):
     last = sum(x["loss"] for x in log[-20:]) / 20
     assert last <= 0.5 * first, (first, last)
     assert [s for s, _ in checkpoint.complete_checkpoints(os.path.join(out, "ckpt"))] == [400, 500]
+    # held out: the validation loss at steps 0, 250 and 500 falls by at least half, and the figures are there
+    val = read_val(out)
+    assert [s for s, _ in val] == [0, 250, 500] and val[-1][1] <= 0.5 * val[0][1], val
+    assert sorted(os.listdir(os.path.join(out, "figures"))) == [
+        "loss.png", "recon_step_0000000.png", "recon_step_0000250.png", "recon_step_0000500.png"]
+    assert "evaluation took" in r.stdout
     again = launch(*args)  # same command: finds the checkpoint, nothing left to do
     assert again.returncode == 0 and "run already complete" in again.stdout
     more = launch(*args, "--max_steps=505")  # asked for more: resumes from step 500

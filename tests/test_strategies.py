@@ -3,7 +3,7 @@ checkpoints."""
 import pytest
 
 import checkpoint
-from conftest import read_log, run_train, small_args
+from conftest import read_log, read_val, run_train, small_args
 
 
 @pytest.fixture(scope="module")
@@ -11,7 +11,7 @@ def zero2_reference(small_store, tmp_path_factory):
     d = tmp_path_factory.mktemp("ref")
     r = run_train(small_args(small_store, d, max_steps=5, grad_accum=2), nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
-    return [x["loss"] for x in read_log(d)]
+    return [x["loss"] for x in read_log(d)], read_val(d)
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "zero3", "fsdp2"])
@@ -25,8 +25,15 @@ def test_strategy_matches_zero2_and_resumes_from_its_own_checkpoint(strategy, sm
     assert "resumed from" in b.stdout
     losses = [x["loss"] for x in read_log(tmp_path)]
     assert len(losses) == 5
-    for x, y in zip(losses, zero2_reference):
-        assert abs(x - y) <= 1e-4 * abs(y), (strategy, losses, zero2_reference)
+    ref, ref_val = zero2_reference
+    for x, y in zip(losses, ref):
+        assert abs(x - y) <= 1e-4 * abs(y), (strategy, losses, ref)
+    # the held-out loss at steps 0, 3 (then stopped; the resumed run does not repeat it) and 5: the same under
+    # every strategy, all ranks evaluating in eval mode (ZeRO-3 and FSDP2 gather weights inside forward)
+    val = read_val(tmp_path)
+    assert [s for s, _ in val] == [s for s, _ in ref_val] == [0, 3, 5], (val, ref_val)
+    for (_, x), (_, y) in zip(val, ref_val):
+        assert abs(x - y) <= 1e-4 * abs(y), (strategy, val, ref_val)
     if strategy != "zero2":  # another strategy's checkpoint is refused with a clear message
         c = run_train(small_args(small_store, tmp_path, max_steps=8, grad_accum=2, strategy="zero2"), nproc=2)
         assert c.returncode != 0 and f"strategy={strategy!r}" in c.stderr, c.stderr[-2000:]

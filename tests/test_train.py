@@ -9,7 +9,7 @@ import configurator
 import data
 import checkpoint
 import train
-from conftest import read_log, run_train, small_args
+from conftest import read_log, read_val, run_train, small_args
 
 
 def losses(out_dir):
@@ -53,6 +53,11 @@ def test_stop_and_resume_is_exact(small_store, tmp_path):
     for x, y in zip(a[4:], b[4:]):
         assert x["lr"] == y["lr"]
         assert abs(x["loss"] - y["loss"]) <= 1e-6 * abs(x["loss"]), (a, b)
+    # the held-out loss: at 0 and 3 before the stop, 6 and 8 after the resume, as in the uninterrupted run
+    va, vb = read_val(tmp_path / "full"), read_val(tmp_path / "part")
+    assert [s for s, _ in va] == [s for s, _ in vb] == [0, 3, 6, 8]
+    for (_, x), (_, y) in zip(va, vb):
+        assert abs(x - y) <= 1e-6 * abs(x), (va, vb)
     # a run that is already complete resumes, does nothing, and leaves the checkpoint alone
     again = run_train(small_args(small_store, tmp_path / "part", max_steps=8, grad_accum=2), nproc=1)
     assert again.returncode == 0 and "run already complete" in again.stdout, again.stderr[-2000:]
