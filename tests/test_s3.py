@@ -126,7 +126,7 @@ def test_aligned_crops_and_live_fraction(small_store):
         seen.add(o)
     assert len(seen) > 100  # and still many different crops
     with pytest.raises(data.DataError, match="live-trace fraction"):
-        data.Sampler([small_store], (32, 32, 32), min_live=1.0).locate(0)
+        data.Sampler([small_store], (48, 32, 32), min_live=1.0).locate(0)
 
 
 def test_training_through_faulty_s3_equals_fault_free(s3, small_store, tmp_path):
