@@ -2,7 +2,8 @@
 Held-out validation: the masked loss on fixed validation samples, on every rank, and the slices of validation
 sample 0 that the reconstruction figure shows.
 
-    val_loss, per_sample, slices = evaluate.run(forward, model, sampler, seed, n, ...)
+    val_loss, per_sample, slices = evaluate.run(forward, model, sampler, seed, n, ...)   any caller, all ranks
+    val_loss, figure = evaluate.on_job(job, step, log_file)                          train.py's evaluation
 
 The validation set is samples 0 .. n-1 of the validation stream (data.Sampler(stream="val"), inside the
 held-out inlines or the val_paths stores): sample i's crop and mask are functions of (seed, i) alone, so the
@@ -20,7 +21,10 @@ sums the vector over the world, and the validation loss is its mean. That is the
 slots are summed in one fixed order whatever the layout.
 """
 
+import json
 import math
+import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -76,3 +80,37 @@ def run(forward, model, sampler, seed, n, device, dtype, micro_batch, cp_rank=0,
         slices = reconstruct.join_parts([parts])
     per_sample = sums.tolist()
     return sum(per_sample) / n, per_sample, slices
+
+
+def on_job(job, step, log_file):
+    """train.py's evaluation: the validation loss of the job's model as it is now, after `step` optimizer
+    steps. Every rank computes its share (run), rank 0 logs it (log_file: log.jsonl, or None) and draws the
+    figures. Returns (val_loss, the reconstruction Figure on rank 0 when figures are on, else None)."""
+    cfg, t0 = job.cfg, time.time()
+    job.engine.eval()
+    try:
+        val, per, slices = run(job.engine, job.model, job.val_sampler, cfg["seed"], cfg["eval_samples"], job.device,
+                               job.dtype, cfg["micro_batch"], job.cp_rank, job.cp, job.dp_rank, job.dp_size,
+                               want_slices=cfg["figures"])
+    finally:
+        job.engine.train()
+    if not math.isfinite(val):
+        raise FloatingPointError(f"non-finite validation loss ({val}) at step {step}: stopping. Lower blr or raise "
+                                 f"warmup_steps, and check the validation data for NaN/inf outside dead traces.")
+    if log_file:  # (eval_s: the forward passes; the figures come after)
+        log_file.write(json.dumps({"step": step, "val_loss": val, "eval_s": round(time.time() - t0, 3)}) + "\n")
+        log_file.flush()
+    fig = None
+    if job.rank == 0 and cfg["figures"]:
+        fig_dir = os.path.join(cfg["out_dir"], "figures")
+        v, origin = job.val_sampler.locate(0)
+        store = os.path.basename(job.val_sampler.volumes[v].url.rstrip("/"))
+        title = reconstruct.figure_title(f"validation sample 0: {store}, crop {tuple(cfg['crop'])} at {origin}", step,
+                                         per[0], 1 - job.model.n_keep() / job.model.L, cfg["norm_pix_loss"])
+        fig = reconstruct.recon_figure(os.path.join(fig_dir, f"recon_step_{step:07d}.png"), slices, origin, title)
+        if log_file:
+            reconstruct.loss_figure(os.path.join(fig_dir, "loss.png"), log_file.name)
+    job.log(f"step {step:5d} | val loss {val:.4f} over {cfg['eval_samples']} held-out samples | "
+            f"{time.time() - t0:.2f} s")
+    return val, fig
+

@@ -30,7 +30,6 @@ import checkpoint
 import configurator
 import data
 import evaluate
-import reconstruct
 import ring_attention
 from model import MODELS
 
@@ -512,7 +511,7 @@ def main(argv):
     if cfg["eval_only"]:
         if not start:
             raise configurator.ConfigError(f"eval_only=True but {ckpt_dir} holds no complete checkpoint to evaluate")
-        val, _ = validation(job, start, None)  # draws its figure; log.jsonl is the run's, left alone
+        val, _ = evaluate.on_job(job, start, None)  # draws its figure; log.jsonl is the run's, left alone
         log(json.dumps({"step": start, "val_loss": val}))  # the last line: the value, as log.jsonl holds it
         return 0
     if start is None:
@@ -559,7 +558,7 @@ def main(argv):
             return
         read_back()  # the training records up to here are in log.jsonl before loss.png reads it
         t0 = time.time()
-        val, fig = validation(job, done, log_file)
+        val, fig = evaluate.on_job(job, done, log_file)
         if tb:
             tb.add_scalar("loss/val", val, done)
             if fig is not None:
@@ -615,39 +614,6 @@ def main(argv):
         if tb:
             tb.close()
     return 0
-
-
-def validation(job, step, log_file):
-    """The validation loss of the model as it is now, which is after `step` optimizer steps: every rank
-    computes its share (evaluate.py), rank 0 logs it and draws the figures. Returns (val_loss, the
-    reconstruction Figure on rank 0 when figures are on, else None)."""
-    cfg, t0 = job.cfg, time.time()
-    job.engine.eval()
-    try:
-        val, per, slices = evaluate.run(job.engine, job.model, job.val_sampler, cfg["seed"], cfg["eval_samples"],
-                                        job.device, job.dtype, cfg["micro_batch"], job.cp_rank, job.cp,
-                                        job.dp_rank, job.dp_size, want_slices=cfg["figures"])
-    finally:
-        job.engine.train()
-    if not math.isfinite(val):
-        raise FloatingPointError(f"non-finite validation loss ({val}) at step {step}: stopping. Lower blr or raise "
-                                 f"warmup_steps, and check the validation data for NaN/inf outside dead traces.")
-    if log_file:  # (eval_s: the forward passes; the figures come after)
-        log_file.write(json.dumps({"step": step, "val_loss": val, "eval_s": round(time.time() - t0, 3)}) + "\n")
-        log_file.flush()
-    fig = None
-    if job.rank == 0 and cfg["figures"]:
-        fig_dir = os.path.join(cfg["out_dir"], "figures")
-        v, origin = job.val_sampler.locate(0)
-        store = os.path.basename(job.val_sampler.volumes[v].url.rstrip("/"))
-        title = reconstruct.figure_title(f"validation sample 0: {store}, crop {tuple(cfg['crop'])} at {origin}", step,
-                                         per[0], 1 - job.model.n_keep() / job.model.L, cfg["norm_pix_loss"])
-        fig = reconstruct.recon_figure(os.path.join(fig_dir, f"recon_step_{step:07d}.png"), slices, origin, title)
-        if log_file:
-            reconstruct.loss_figure(os.path.join(fig_dir, "loss.png"), log_file.name)
-    job.log(f"step {step:5d} | val loss {val:.4f} over {cfg['eval_samples']} held-out samples | "
-            f"{time.time() - t0:.2f} s")
-    return val, fig
 
 
 def cli(argv):
