@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU session in one call: bench.py gpu-check (the ring's CUDA ops against fp64 SDPA, attention timings at
 # 102,400 tokens, the planner's memory terms against torch.cuda's allocator, bf16 zero2 vs fsdp2 on the same
-# masks, the batch's pinned non-blocking copy against the old pageable cast-and-copy, the quickstart's steps).
+# masks, the batch's pinned non-blocking copy against the old pageable cast-and-copy, the quickstart's steps;
+# the held-out validation over NCCL: its figures need matplotlib, carried in the wheels too).
 #
 # The lent H200 machine has Python 3.12 and PyTorch but none of deepspeed, zarr, numcodecs, pydantic..., and
 # no internet. So the missing wheels are fetched (and deepspeed's built) here, then carried there:
-#   here:        bash gpu_check.sh wheels     -> ./wheels (about 15 MB; gitignored)
+#   here:        bash gpu_check.sh wheels     -> ./wheels (about 40 MB; gitignored)
 #   on the GPU:  bash gpu_check.sh            (the device tool: carry=["wheels"]; output in $OUT/gpu_check.log)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -18,7 +19,9 @@ if [ "${1:-}" = wheels ]; then
   "$PIP" download -q --only-binary=:all: --python-version 3.12 --implementation cp --no-deps -d wheels \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
     zarr==3.1.6 numcodecs==0.16.6 donfig==0.8.1.post1 google-crc32c==1.9.0 pydantic==2.14.4 \
-    pydantic-core==2.50.5 hjson==3.1.0 annotated-types==0.8.0 typing-inspection==0.4.5
+    pydantic-core==2.50.5 hjson==3.1.0 annotated-types==0.8.0 typing-inspection==0.4.5 \
+    matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 fonttools==4.68.0 kiwisolver==1.5.1 pyparsing==3.3.3 \
+    pillow==13.0.0 python-dateutil==2.9.0.post0 six==1.17.0
   # deepspeed is published as source only: build a pure-Python wheel (its CUDA ops are built on first use,
   # and gpu-check uses none of them: the optimizer is torch's AdamW)
   DS_BUILD_OPS=0 "$PIP" wheel -q --no-deps --no-build-isolation -w wheels deepspeed==0.19.8

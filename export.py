@@ -1,0 +1,386 @@
+"""
+Export: one model file out of any complete checkpoint, whatever wrote it (ZeRO-2, ZeRO-3, FSDP2; any rank count).
+
+    python export.py OUT_DIR                      # the newest complete checkpoint -> OUT_DIR/model_step_NNNNNNN.pt
+    python export.py OUT_DIR --tag=step_500       # another one (step_0000500, step_500 and 500 all name it)
+    python export.py OUT_DIR --encoder_only       # the encoder alone  -> OUT_DIR/model_step_NNNNNNN_encoder.pt
+    python export.py OUT_DIR --out=PATH           # elsewhere (a directory: the default name inside it)
+    python export.py --check=FILE                 # load a model file as load() does (strict) and say what it is
+
+It prints the file's path (and nothing else) on stdout, so `M=$(python export.py out/run)` works; what it did
+goes to stderr. From Python:
+
+    find_checkpoint(out_dir, tag=None)            -> (ckpt_dir, tag, meta)   ckpt_dir = out_dir/ckpt, meta = COMPLETE
+    state_dict_from_checkpoint(out_dir, tag=None) -> (state_dict, meta)      the MAE's full fp32 weights, in memory
+    export(out_dir, tag=None, out=None, encoder_only=False) -> path         the file
+    build_model(cfg, device=None)                 -> the config's MAE (as train.setup builds it; not seeded)
+    read_model_file(path, map_location="cpu")     -> (state_dict, meta)      a file's weights, format checked
+    load(path_or_obj, map_location="cpu")         -> (model, meta)           the config's MAE with the file's weights
+
+The file is one torch.save of tensors and plain types only, so it loads with torch.load(path, weights_only=True)
+(no code runs on load, no DeepSpeed or distributed setup is needed):
+
+    {"format": "seismic-mae", "version": 1,
+     "model": {"blocks.0.qkv.weight": fp32 tensor, ...},   the MAE's plain module names, fp32, contiguous, CPU
+     "config": the run's config (COMPLETE's: plain types, tuples as lists),
+     "step": the optimizer steps it was trained for, "encoder_only": bool,
+     "source": {"strategy": ..., "world": ..., "tag": ..., "dtype": the compute dtype it was trained in}}
+
+The weights are the fp32 master weights: a bf16 run computes with bf16 copies of them, which would lose the low
+bits that the next updates build on (and that a fine-tuning run would start from). None of the shard merging
+is ours: ZeRO checkpoints go through DeepSpeed's own zero_to_fp32 (which reads the fp32 partitions out of the
+optimizer files and leaves the Adam moments on disk: it memory-maps the files and drops them), FSDP2's through
+torch.distributed.checkpoint in one process, asking only for the model's entries, so the optimizer state (two
+fp32 moments per weight: 13 GB at 1.6 B parameters) is never read. Host memory: the model once for DCP, twice
+for ZeRO (DeepSpeed concatenates each rank's partition into one flat vector; each tensor is then copied out of
+it, so that a file never carries the vector's other bytes: an encoder-only file would hold the decoder too).
+"""
+import argparse
+import contextlib
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+import checkpoint
+import configurator
+from model import MODELS
+
+FORMAT, VERSION = "seismic-mae", 1
+# the MAE's top-level parts (model.MAE.__init__). Every weight belongs to exactly one of them: a part added to
+# the model later must be added here, or export fails loudly instead of silently dropping it or keeping it.
+ENCODER = ("patch_embed", "cls_token", "blocks", "norm")
+DECODER = ("decoder_embed", "mask_token", "decoder_blocks", "decoder_norm", "decoder_pred")
+
+
+# -----------------------------------------------------------------------------
+# 1. which checkpoint
+
+
+def normalise_tag(tag):
+    """'step_0000500', 'step_500', '500' or 500 -> 500."""
+    s = str(tag)
+    digits = s[len("step_"):] if s.startswith("step_") else s
+    if not digits.isdigit():
+        raise configurator.ConfigError(f"tag {tag!r} is not a checkpoint tag: give step_N or N "
+                                       f"(step_0000500, step_500 and 500 name the same checkpoint)")
+    return int(digits)
+
+
+def find_checkpoint(out_dir, tag=None):
+    """The newest complete checkpoint of the run in out_dir (or the one `tag` names): (ckpt_dir, tag, meta), where
+    ckpt_dir is out_dir/ckpt (the directory DeepSpeed calls checkpoint_dir), the checkpoint is ckpt_dir/tag, and
+    meta is its COMPLETE marker (step, world, dtype, config) plus "tag". Only complete checkpoints are taken: a
+    step_* directory without COMPLETE may be a write that died half-way (checkpoint.save writes the marker last)."""
+    if os.path.isfile(out_dir):
+        raise configurator.ConfigError(f"{out_dir} is a file, not a run's out_dir (to check a model file: "
+                                       f"python export.py --check={out_dir})")
+    ckpt_dir = os.path.join(out_dir, "ckpt")
+    if not checkpoint.complete_checkpoints(ckpt_dir) and checkpoint.complete_checkpoints(out_dir):
+        ckpt_dir = out_dir  # given OUT_DIR/ckpt itself
+    done = checkpoint.complete_checkpoints(ckpt_dir)
+    if not done:
+        partial = sorted(t for t in os.listdir(ckpt_dir) if t.startswith("step_")) if os.path.isdir(ckpt_dir) else []
+        why = (f" ({', '.join(partial)} without COMPLETE: writes that did not finish)" if partial else
+               "" if os.path.isdir(ckpt_dir) else f" ({ckpt_dir} does not exist)")
+        raise configurator.ConfigError(
+            f"no complete checkpoint in {ckpt_dir}{why}: a checkpoint counts once its COMPLETE marker is written, "
+            f"after every rank has saved; train.py writes one every ckpt_interval steps and at the end of a run "
+            f"(bash launch.sh CONFIG --out_dir={out_dir}). Give the run's out_dir")
+    if tag is None:
+        _, tag = done[-1]
+    else:
+        want = normalise_tag(tag)
+        found = [t for s, t in done if s == want]
+        if not found:
+            there = os.path.isdir(os.path.join(ckpt_dir, f"step_{want:07d}"))
+            raise configurator.ConfigError(
+                f"no complete checkpoint step_{want:07d} in {ckpt_dir}"
+                f"{' (it is there without COMPLETE: its write did not finish)' if there else ''}; "
+                f"complete ones: {', '.join(t for _, t in done)}")
+        tag = found[0]
+    try:
+        with open(os.path.join(ckpt_dir, tag, "COMPLETE")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise configurator.ConfigError(f"cannot read {ckpt_dir}/{tag}/COMPLETE: {e}") from None
+    return ckpt_dir, tag, {**meta, "tag": tag}
+
+
+# -----------------------------------------------------------------------------
+# 2. the full fp32 state dict, through DeepSpeed's or PyTorch's own readers
+
+
+def build_model(cfg, device=None):
+    """The MAE of a run's config, built as train.setup builds it (not seeded here: train.setup seeds with
+    cfg["seed"] first; seed before calling this to get the run's init). `device="meta"`: shapes only, no memory.
+    grad_ckpt is left off: it only changes how training recomputes activations (set model.grad_ckpt to train)."""
+    patch, crop = tuple(cfg["patch"]), tuple(cfg["crop"])
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return MODELS[cfg["model_size"]](grid=tuple(c // p for c, p in zip(crop, patch)), patch=patch,
+                                         mask_ratio=cfg["mask_ratio"], norm_pix_loss=cfg["norm_pix_loss"],
+                                         mask_strata=cfg.get("mask_strata") or cfg.get("cp", 1))
+
+
+def part(key):
+    """'encoder' or 'decoder': which half of the MAE a weight belongs to."""
+    top = key.split(".")[0]
+    if top in ENCODER:
+        return "encoder"
+    if top in DECODER:
+        return "decoder"
+    raise configurator.ConfigError(f"weight {key!r} belongs to neither export.ENCODER nor export.DECODER: a part "
+                                   f"added to model.MAE must be added to one of them")
+
+
+def _zero_state_dict(ckpt_dir, tag):
+    """ZeRO-2/3: DeepSpeed merges the fp32 partitions of every rank's optimizer file. Its progress talk goes to
+    stderr, so that our stdout carries only the file's path."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede `import deepspeed`
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    with contextlib.redirect_stdout(sys.stderr):
+        return get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=tag)
+
+
+def _dcp_state_dict(path, template):
+    """FSDP2: torch.distributed.checkpoint in this one process (no process group: DCP then loads locally, no_dist),
+    into full-size plain tensors. Only the "model" entries are asked for, so only their bytes are read: DCP reads
+    each requested shard's byte range and nothing else (FileSystemReader.read_data), the "optim" entries stay on
+    disk. The checkpoint's own metadata is checked first: the same weights as the config's MAE, stored in fp32
+    (FSDP2 keeps the fp32 parameters as its shards and casts only for compute; a bf16 entry would mean we were
+    about to export a rounded copy)."""
+    import torch.distributed.checkpoint as dcp
+    stored = {k[len("model."):]: v for k, v in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+              if k.startswith("model.")}
+    _check_names(stored.keys(), template.keys(), path)
+    for k, v in stored.items():
+        if tuple(v.size) != tuple(template[k].shape) or v.properties.dtype != torch.float32:
+            raise configurator.ConfigError(f"{path}: weight {k} is stored as {v.properties.dtype} {tuple(v.size)}, the "
+                                           f"config's MAE has float32 {tuple(template[k].shape)}")
+    state = {"model": {k: torch.empty(v.shape, dtype=torch.float32) for k, v in template.items()}}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state["model"]
+
+
+def _check_names(have, want, where):
+    have, want = set(have), set(want)
+    if have != want:
+        raise configurator.ConfigError(
+            f"{where} does not hold the config's MAE: missing {sorted(want - have)[:5]}, unexpected "
+            f"{sorted(have - want)[:5]} (a checkpoint of another model, or model.py changed since it was written)")
+
+
+def _own(t):
+    """An fp32 CPU tensor with a storage of its own (a view of DeepSpeed's flat vector would save the vector)."""
+    t = t.detach().to("cpu").contiguous()  # DeepSpeed's come with requires_grad (views of the optimizer's params)
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
+def state_dict_from_checkpoint(out_dir, tag=None):
+    """The full fp32 weights of the run's newest complete checkpoint (or `tag`), with the plain module names of
+    the MAE (blocks.0.qkv.weight ...), as fp32 contiguous CPU tensors in the MAE's own order. Returns (state_dict,
+    meta): meta is the checkpoint's COMPLETE marker (step, world, dtype, config) plus "tag" and "strategy"."""
+    return _read_checkpoint(*find_checkpoint(out_dir, tag))
+
+
+def _read_checkpoint(ckpt_dir, tag, meta):
+    from torch.distributed.checkpoint.api import CheckpointException
+    cfg = meta["config"]
+    strategy = cfg.get("strategy", "zero2")  # runs before FSDP2 existed were all ZeRO-2
+    if strategy not in ("zero2", "zero3", "fsdp2"):
+        raise configurator.ConfigError(f"{ckpt_dir}/{tag} was written by strategy {strategy!r}; export.py reads "
+                                       f"zero2, zero3 and fsdp2 checkpoints")
+    path = os.path.join(ckpt_dir, tag)
+    template = build_model(cfg, device="meta").state_dict()  # names and shapes only
+    try:
+        sd = _dcp_state_dict(path, template) if strategy == "fsdp2" else _zero_state_dict(ckpt_dir, tag)
+    except configurator.ConfigError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError, CheckpointException) as e:
+        # a COMPLETE checkpoint that cannot be read has lost a file since (or was copied in part). DCP wraps the
+        # reader's exception, with its traceback in the text: the original says what is missing
+        if isinstance(e, CheckpointException) and e.failures:
+            e = next(iter(e.failures.values()))[0]
+        msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise configurator.ConfigError(f"cannot read checkpoint {path} ({strategy}): {msg} (a file missing or "
+                                       f"damaged? export another one with --tag)") from None
+    _check_names(sd.keys(), template.keys(), path)
+    out = {}
+    for k, v in template.items():
+        t = _own(sd.pop(k))  # pop: what is copied out can be freed
+        if t.dtype != torch.float32 or tuple(t.shape) != tuple(v.shape):
+            raise configurator.ConfigError(f"{path}: weight {k} came back as {t.dtype} {tuple(t.shape)}, the "
+                                           f"config's MAE has float32 {tuple(v.shape)}")
+        out[k] = t
+    return out, {**meta, "strategy": strategy}
+
+
+# -----------------------------------------------------------------------------
+# 3. the file
+
+
+def export(out_dir, tag=None, out=None, encoder_only=False):
+    """Write the newest complete checkpoint of out_dir (or `tag`) as one model file; returns its path. Default:
+    OUT_DIR/model_step_NNNNNNN.pt (..._encoder.pt with encoder_only). The file is written under a temporary name
+    in the same directory, flushed to disk, then renamed over the final name (one atomic step): a crash leaves
+    either no file or the whole file, and an existing file is replaced only by a complete one."""
+    ckpt_dir, tag, meta = find_checkpoint(out_dir, tag)
+    sd, meta = _read_checkpoint(ckpt_dir, tag, meta)
+    if encoder_only:
+        sd = {k: v for k, v in sd.items() if part(k) == "encoder"}
+    else:
+        for k in sd:
+            part(k)  # every weight accounted for
+    name = f"model_{tag}{'_encoder' if encoder_only else ''}.pt"
+    out = out or os.path.join(os.path.dirname(os.path.abspath(ckpt_dir)), name)  # out_dir (also if given .../ckpt)
+    if os.path.isdir(out):
+        out = os.path.join(out, name)
+    obj = {"format": FORMAT, "version": VERSION, "model": sd, "config": meta["config"], "step": int(meta["step"]),
+           "encoder_only": bool(encoder_only),
+           "source": {"strategy": meta["strategy"], "world": int(meta["world"]), "tag": tag,
+                      "dtype": meta.get("dtype")}}
+    folder = os.path.dirname(os.path.abspath(out))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(out)}.tmp{os.getpid()}")  # hidden: no glob of *.pt finds it
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    checkpoint.fsync_dir(folder)  # the rename itself
+    return out
+
+
+# -----------------------------------------------------------------------------
+# 4. reading it back
+
+
+def read_model_file(path_or_obj, map_location="cpu"):
+    """A model file's weights and what else it holds: (state_dict, meta), meta = the file without "model", plus
+    "tag" (the checkpoint it came from). Read with weights_only=True: only tensors and plain types, no code runs.
+    Raises ConfigError for anything that is not a seismic-mae model file of a version this file reads."""
+    if isinstance(path_or_obj, (str, os.PathLike)):
+        name = str(path_or_obj)
+        try:
+            obj = torch.load(path_or_obj, map_location=map_location, weights_only=True)
+        except FileNotFoundError:
+            raise configurator.ConfigError(f"{name}: no such file") from None
+        except OSError as e:
+            raise configurator.ConfigError(f"cannot read {name}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - arbitrary bytes fail in the unpickler in many ways (KeyError too)
+            # torch's messages run to several lines of advice (some of it, "weights_only=False will likely
+            # succeed", wrong here): keep the reason
+            text = str(e)
+            if "WeightsUnpickler error:" in text:
+                text = text.split("WeightsUnpickler error:", 1)[1]
+            why = next((line.split(". ")[0] for line in text.splitlines() if line.strip()), "empty or truncated")
+            raise configurator.ConfigError(f"{name} is not a seismic-mae model file (torch.load with weights_only=True "
+                                           f"cannot read it: {why.strip()}); write one with python export.py "
+                                           f"OUT_DIR") from None
+    else:
+        name, obj = "the object given", path_or_obj
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise configurator.ConfigError(f"{name} is not a seismic-mae model file (no format {FORMAT!r}): "
+                                       f"write one with python export.py OUT_DIR")
+    if obj.get("version") != VERSION:
+        raise configurator.ConfigError(f"{name} is a seismic-mae model file of version {obj.get('version')!r}; this "
+                                       f"export.py reads version {VERSION}")
+    meta = {k: v for k, v in obj.items() if k != "model"}
+    meta["tag"] = (obj.get("source") or {}).get("tag")
+    return obj["model"], meta
+
+
+def _no_decoder(*args, **kwargs):
+    raise RuntimeError("this MAE was loaded from an encoder-only file (export.py --encoder_only): it has no decoder "
+                       "and cannot reconstruct or compute the MAE loss. Use model.forward_encoder(patches, ids_keep), "
+                       "or export without --encoder_only")
+
+
+def load(path_or_obj, map_location="cpu"):
+    """One call: read a model file (weights_only), rebuild its config's MAE, load the weights with strict=True.
+    Returns (model in eval mode, meta). model.encoder_only says which kind it is; for an encoder-only file the
+    decoder's submodules and mask_token are None before the strict load, so it checks exactly the encoder's
+    weights, and a forward that needs the decoder raises a clear error rather than run random decoder weights."""
+    sd, meta = read_model_file(path_or_obj, map_location)
+    name = str(path_or_obj) if isinstance(path_or_obj, (str, os.PathLike)) else "the object given"
+    cfg = meta["config"]
+    w = sd.get("patch_embed.weight")
+    # the patch embedding is a Conv3d kernel (dim, 1, pz, py, px): it fixes the patch for good
+    if w is None or w.ndim != 5 or tuple(w.shape[2:]) != tuple(cfg["patch"]):
+        raise configurator.ConfigError(
+            f"{name}: its patch_embed.weight is {tuple(w.shape) if w is not None else 'missing'}, which does not fit "
+            f"its config's patch {tuple(cfg['patch'])} (expected (dim, 1, {', '.join(map(str, cfg['patch']))})): the "
+            f"file's config and weights disagree; export it again from its checkpoint")
+    model = build_model(cfg, device="meta")  # no init, no memory: the file's tensors become the parameters
+    encoder_only = bool(meta.get("encoder_only"))
+    if encoder_only:
+        for key in DECODER:
+            setattr(model, key, None)  # gone from state_dict(): the strict load checks exactly the encoder
+        model.forward_decoder = _no_decoder
+    try:
+        model.load_state_dict(sd, strict=True, assign=True)
+    except RuntimeError as e:
+        raise configurator.ConfigError(f"{name}: its weights do not fit its config's MAE ({cfg['model_size']!r}, "
+                                       f"patch {tuple(cfg['patch'])}): {' '.join(str(e).split())[:500]}") from None
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:  # a buffer model.py gained that the file cannot have: build_model must make it (not on meta)
+        raise configurator.ConfigError(f"{name}: {left[:5]} are not in the file and were not built: update export.load")
+    model.encoder_only = encoder_only
+    return model.eval(), meta
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", nargs="?", help="a run's out_dir (its checkpoints are in out_dir/ckpt)")
+    ap.add_argument("--tag", default=None, help="a checkpoint: step_0000500, step_500 or 500 (default: the newest)")
+    ap.add_argument("--out", default=None, help="the file (default: OUT_DIR/model_step_NNNNNNN[_encoder].pt)")
+    ap.add_argument("--encoder_only", action="store_true", help="the encoder's weights only, no decoder")
+    ap.add_argument("--check", default=None, metavar="FILE", help="load a model file (strict) and describe it")
+    a = ap.parse_args(argv)
+    if bool(a.out_dir) == bool(a.check):
+        ap.error("give a run's OUT_DIR, or --check=FILE")
+    if a.check:
+        model, meta = load(a.check)
+        n = sum(p.numel() for p in model.parameters())
+        src = meta.get("source") or {}
+        print(f"{a.check}: {FORMAT} v{meta['version']}, MAE {meta['config']['model_size']} "
+              f"({'encoder only, ' if model.encoder_only else ''}{n / 1e6:.2f} M params), patch "
+              f"{tuple(meta['config']['patch'])}, step {meta['step']}, from {src.get('strategy')} on "
+              f"{src.get('world')} ranks in {src.get('dtype')}: loads strictly")
+        return 0
+    path = export(a.out_dir, a.tag, a.out, a.encoder_only)
+    # what was written reads back as promised (memory-mapped: the weights are not read again)
+    obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    n = sum(t.numel() for t in obj["model"].values())
+    print(f"exported {a.out_dir} {obj['source']['tag']} ({obj['source']['strategy']}, {obj['source']['world']} "
+          f"ranks, {obj['source']['dtype']}): {len(obj['model'])} fp32 tensors, {n / 1e6:.2f} M params"
+          f"{', encoder only' if a.encoder_only else ''}", file=sys.stderr)
+    print(path)
+    return 0
+
+
+def cli(argv):
+    """`python export.py ...`: bad input is one clear line on stderr and exit code 2, no traceback."""
+    try:
+        return main(argv)
+    except configurator.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))
