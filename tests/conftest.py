@@ -63,3 +63,20 @@ def small_args(store, out_dir, **kw):
            "figures": False}
     cfg.update(kw)
     return [f"--{k}={v!r}" if not isinstance(v, str) else f"--{k}={v}" for k, v in cfg.items()]
+
+
+STRATEGY_ARGS = dict(max_steps=5, grad_accum=2)
+
+
+@pytest.fixture(scope="session")
+def strategy_runs(small_store, tmp_path_factory):
+    """Under zero2, zero3 and fsdp2, one 2-rank run of 5 steps (grad_accum 2) stopped after step 3 (a checkpoint,
+    exit) and resumed to step 5: {strategy: (out_dir, first CompletedProcess, second)}. Complete checkpoints at
+    steps 3 and 5, validation at 0, 3 and 5. test_strategies checks the runs, test_export exports them."""
+    root, out = tmp_path_factory.mktemp("strategies"), {}
+    for strategy in ("zero2", "zero3", "fsdp2"):
+        d = root / strategy
+        a = run_train(small_args(small_store, d, stop_step=3, strategy=strategy, **STRATEGY_ARGS), nproc=2)
+        b = run_train(small_args(small_store, d, strategy=strategy, **STRATEGY_ARGS), nproc=2) if a.returncode == 0 else a
+        out[strategy] = d, a, b
+    return out

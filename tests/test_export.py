@@ -21,20 +21,24 @@ import model as M
 from conftest import ROOT, job_env, read_val, run_train, small_args
 
 STRATEGIES = ("zero2", "zero3", "fsdp2")
-RUNS = {**{s: dict(strategy=s) for s in STRATEGIES}, "zero2_bf16": dict(strategy="zero2", dtype="bfloat16")}
 
 
 @pytest.fixture(scope="module")
-def runs(small_store, tmp_path_factory):
-    """2-rank runs of 5 steps with complete checkpoints after steps 3 and 5 (keep_ckpts 2 keeps both)."""
-    root = tmp_path_factory.mktemp("export")
+def runs(small_store, strategy_runs, tmp_path_factory):
+    """2-rank runs of 5 steps with complete checkpoints after steps 3 and 5: each strategy's run of
+    test_strategies (conftest.strategy_runs: stopped after step 3, resumed), and a bf16 one."""
     out = {}
-    for name, kw in RUNS.items():
-        d = root / name
-        r = run_train(small_args(small_store, d, max_steps=5, ckpt_interval=3, **kw), nproc=2)
-        assert r.returncode == 0, (name, r.stderr[-3000:])
-        assert [s for s, _ in checkpoint.complete_checkpoints(str(d / "ckpt"))] == [3, 5], name
+    for name in STRATEGIES:
+        d, _, b = strategy_runs[name]
+        assert b.returncode == 0, (name, b.stderr[-3000:])
         out[name] = d
+    d = tmp_path_factory.mktemp("export") / "zero2_bf16"
+    r = run_train(small_args(small_store, d, max_steps=5, ckpt_interval=3, strategy="zero2", dtype="bfloat16"),
+                  nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out["zero2_bf16"] = d
+    for name, d in out.items():
+        assert [s for s, _ in checkpoint.complete_checkpoints(str(d / "ckpt"))] == [3, 5], name
     return out
 
 
@@ -81,8 +85,8 @@ def test_every_strategy_exports_one_file_of_fp32_weights(runs, files):
         _, _, meta = export.find_checkpoint(str(d))
         assert set(obj) == {"format", "version", "model", "config", "step", "encoder_only", "source"}
         assert (obj["format"], obj["version"], obj["step"], obj["encoder_only"]) == ("seismic-mae", 1, 5, False)
-        assert obj["config"] == meta["config"] and obj["config"]["strategy"] == RUNS[name]["strategy"]
-        assert obj["source"] == {"strategy": RUNS[name]["strategy"], "world": 2, "tag": "step_0000005",
+        assert obj["config"] == meta["config"] and obj["config"]["strategy"] == name.split("_")[0]
+        assert obj["source"] == {"strategy": name.split("_")[0], "world": 2, "tag": "step_0000005",
                                  "dtype": "torch.bfloat16" if "bf16" in name else "torch.float32"}
         want = export.build_model(obj["config"], device="meta").state_dict()
         assert list(obj["model"]) == list(want)  # the plain module names, in the MAE's order
@@ -271,6 +275,16 @@ def test_reconstruct_reproduces_validation_sample_0(runs, files, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     r2, out2 = recon(str(runs["zero2"]), f"--origin={origin}", f"--seed={cfg['seed']}", f"--out={fig}")
     assert r2.returncode == 0 and out2["masked_mse"] == out["masked_mse"], r2.stderr[-3000:]
+    # the same crop streamed from a real S3 endpoint on loopback
+    from s3_util import MotoS3
+    s3 = MotoS3()
+    try:
+        url = s3.upload_dir(cfg["data_paths"][0], "recon", "small.mdio")
+        r4, out4 = recon(path, f"--data={url}", f"--s3_endpoint={s3.endpoint}", f"--origin={origin}",
+                         f"--seed={cfg['seed']}", f"--out={fig}")
+    finally:
+        s3.stop()
+    assert r4.returncode == 0 and out4["masked_mse"] == out["masked_mse"], r4.stderr[-3000:]
     # a drawn crop of another size and mask ratio (the positions are computed per token: any grid of patches)
     r3, out3 = recon(path, "--crop=(16,32,32)", "--mask_ratio=0.5", f"--out={fig}")
     assert r3.returncode == 0 and out3["tokens"] == 32 and out3["masked_patches"] == 16, r3.stderr[-3000:]
