@@ -108,25 +108,44 @@ def local_params(engine):
 
 
 def resume(engine, cfg, ckpt_dir, world, dtype, log):
-    """Load the newest complete checkpoint in ckpt_dir into `engine` (all ranks; rank 0 chooses). Returns the
-    step to continue from (0: nothing to resume), or None when that checkpoint already reached max_steps.
-    Raises ConfigError, before anything is trained, when the checkpoint cannot be continued by this run."""
+    """Load the newest complete checkpoint in ckpt_dir that loads into `engine` (all ranks; rank 0 chooses).
+    Returns the step to continue from (0: nothing to resume), or None when the newest already reached max_steps.
+    Raises ConfigError, before anything is trained, when the checkpoint cannot be continued by this run.
+
+    A checkpoint marked COMPLETE can still fail to load: a shard damaged or truncated since (a file system
+    fault, a partial copy). Then every rank says whether it loaded, all agree (one all-reduce), rank 0 names
+    the rank, the error and the files that no longer read, moves the checkpoint aside to damaged_step_N (never
+    deletes it: someone may repair it) and the ranks try the one before. Only when none loads is it an error:
+    an auto-resuming launcher (HyperPod, sbatch --requeue) must not loop on one bad checkpoint."""
+    dist = torch.distributed
     if not cfg["resume"] and complete_checkpoints(ckpt_dir):
         raise configurator.ConfigError(f"{ckpt_dir} holds checkpoints of an earlier run and resume=False: use a new "
                                        f"out_dir (mixing two runs' checkpoints in one directory is never safe)")
-    # rank 0 decides which checkpoint to resume from and tells everyone: all ranks must load the same one
-    done = complete_checkpoints(ckpt_dir) if cfg["resume"] else []
-    choice = [done[-1] if done else None]
-    torch.distributed.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return 0
-    _, tag = choice[0]
+    # rank 0 lists the candidates and tells everyone: all ranks must try the same ones, in the same order
+    done = [complete_checkpoints(ckpt_dir) if cfg["resume"] else []]
+    dist.broadcast_object_list(done, src=0)
+    moved = []
+    for i, (_, tag) in enumerate(reversed(done[0])):
+        start = _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest=(i == 0))
+        if start != "damaged":
+            return start
+        moved.append(f"damaged_{tag}")
+    if moved:
+        raise configurator.ConfigError(f"no complete checkpoint in {ckpt_dir} loads (moved aside: {', '.join(moved)}): "
+                                       f"repair them, or start again in a new out_dir")
+    return 0
+
+
+def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
+    """Check that checkpoint `tag` can be continued by this run and load it: its step, None (the newest is at
+    max_steps: nothing to do), or "damaged" (it did not load on some rank; moved aside)."""
+    dist = torch.distributed
     if not os.path.exists(os.path.join(ckpt_dir, tag, "COMPLETE")):
-        raise configurator.ConfigError(f"rank {torch.distributed.get_rank()} cannot see {ckpt_dir}/{tag}: out_dir "
+        raise configurator.ConfigError(f"rank {dist.get_rank()} cannot see {ckpt_dir}/{tag}: out_dir "
                                        f"must be on storage that every node shares")
     with open(os.path.join(ckpt_dir, tag, "COMPLETE")) as f:
         meta = json.load(f)
-    if meta["step"] >= cfg["max_steps"] and not cfg.get("eval_only"):
+    if newest and meta["step"] >= cfg["max_steps"] and not cfg.get("eval_only"):
         log(f"run already complete: {ckpt_dir}/{tag} is at step {meta['step']} of max_steps "
             f"{cfg['max_steps']}; raise --max_steps to go on")
         return None
@@ -151,9 +170,53 @@ def resume(engine, cfg, ckpt_dir, world, dtype, log):
             f"checkpoint {ckpt_dir}/{tag} was written by {meta['world']} ranks and this job has {world}: "
             f"ZeRO partitions the optimizer state per rank, so resume with {meta['world']} ranks "
             f"(NPROC={meta['world']} bash launch.sh ...)")
-    path, client = engine.load_checkpoint(ckpt_dir, tag=tag)
-    if path is None or client is None:
-        raise configurator.ConfigError(f"could not load {ckpt_dir}/{tag} (files missing?): move it aside to "
-                                       f"resume from the one before")
-    log(f"resumed from {ckpt_dir}/{tag} (step {client['step']})")
-    return client["step"]
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP's: a BaseException, not an Exception
+    try:
+        path, client = engine.load_checkpoint(ckpt_dir, tag=tag)
+        why = None if path is not None and client is not None else "the engine found no checkpoint there"
+    except (Exception, CheckpointException) as e:  # a damaged file fails in the unpickler, the zip reader, DCP...
+        if isinstance(e, CheckpointException) and e.failures:  # DCP: every rank's failure, tracebacks in the text
+            e = e.failures.get(dist.get_rank(), next(iter(e.failures.values())))[0]
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+    # all ranks agree (a rank that loaded must not train alone); rank 0 learns every rank's reason
+    ok = torch.tensor([0.0 if why else 1.0], device=next(engine.module.parameters()).device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if ok.item() == 1.0:
+        log(f"resumed from {ckpt_dir}/{tag} (step {client['step']})")
+        return client["step"]
+    reasons = [None] * dist.get_world_size()
+    dist.all_gather_object(reasons, why)
+    if dist.get_rank() == 0:
+        bad = unreadable_files(os.path.join(ckpt_dir, tag))
+        print(f"WARNING: checkpoint {ckpt_dir}/{tag} is marked complete but does not load: "
+              + "; ".join(f"rank {r}: {w}" for r, w in enumerate(reasons) if w)
+              + (f". Files that no longer read: {', '.join(bad)}" if bad else "")
+              + f". Moved aside to {ckpt_dir}/damaged_{tag} (kept); trying the checkpoint before it.", flush=True)
+        os.replace(os.path.join(ckpt_dir, tag), os.path.join(ckpt_dir, f"damaged_{tag}"))
+        fsync_dir(ckpt_dir)
+    dist.barrier()
+    return "damaged"
+
+
+def unreadable_files(path):
+    """The files of a checkpoint that no longer read as what they claim to be: torch.save's zip archives (.pt)
+    whose directory at the end is gone (a truncated copy), DCP shards (.distcp) shorter than the byte ranges its
+    .metadata gives them, and empty files. A cheap check (no tensor is read), to name the culprit."""
+    import zipfile
+    bad, ends = [], {}
+    meta_path = os.path.join(path, ".metadata")
+    if os.path.exists(meta_path):
+        try:
+            from torch.distributed.checkpoint import FileSystemReader
+            for info in FileSystemReader(path).read_metadata().storage_data.values():
+                ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        except Exception:
+            bad.append(".metadata")
+    for name in sorted(os.listdir(path)):
+        f = os.path.join(path, name)
+        if not os.path.isfile(f) or name in ("COMPLETE", ".metadata"):
+            continue
+        size = os.path.getsize(f)
+        if size == 0 or (name.endswith(".pt") and not zipfile.is_zipfile(f)) or size < ends.get(name, 0):
+            bad.append(name)
+    return bad

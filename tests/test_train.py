@@ -1,4 +1,5 @@
-"""train.py as real jobs: ZeRO-2 gradient averaging, exact resume, divergence handling, bad input."""
+"""train.py as real jobs: ZeRO-2 gradient averaging, exact resume (past a damaged checkpoint), divergence handling,
+bad input."""
 import glob
 import os
 
@@ -39,32 +40,46 @@ def test_zero2_two_ranks_equal_one_rank_with_double_batch(small_store, tmp_path)
         assert abs(x - y) <= 1e-5 * abs(x), (a, b)
 
 
-def test_stop_and_resume_is_exact(small_store, tmp_path):
-    full = run_train(small_args(small_store, tmp_path / "full", max_steps=8, grad_accum=2), nproc=2)
+def test_stop_and_resume_is_exact_even_past_a_damaged_checkpoint(small_store, tmp_path):
+    """A run stopped after step 4 (checkpoints 2 and 4), whose newest checkpoint then loses the end of one rank's
+    shard (a truncated copy): the relaunch says so, names the file, moves that checkpoint aside (kept), resumes
+    from step 2 and ends on the uninterrupted run's trajectory."""
+    args = dict(max_steps=8, grad_accum=2, ckpt_interval=2)
+    full = run_train(small_args(small_store, tmp_path / "full", **args), nproc=2)
     assert full.returncode == 0, full.stderr[-3000:]
-    part = run_train(small_args(small_store, tmp_path / "part", max_steps=8, grad_accum=2, stop_step=4), nproc=2)
+    part = run_train(small_args(small_store, tmp_path / "part", stop_step=4, **args), nproc=2)
     assert part.returncode == 0, part.stderr[-3000:]
-    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "part" / "ckpt"))] == [4]
-    rest = run_train(small_args(small_store, tmp_path / "part", max_steps=8, grad_accum=2), nproc=2)
+    ckpt = tmp_path / "part" / "ckpt"
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(ckpt))] == [2, 4]
+    shard = ckpt / "step_0000004" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    os.truncate(shard, shard.stat().st_size // 2)
+    damaged_size = shard.stat().st_size
+    rest = run_train(small_args(small_store, tmp_path / "part", **args), nproc=2)
     assert rest.returncode == 0, rest.stderr[-3000:]
-    assert "resumed from" in rest.stdout
-    a, b = read_log(tmp_path / "full"), read_log(tmp_path / "part")
-    assert [r["step"] for r in b] == list(range(8))
-    for x, y in zip(a[4:], b[4:]):
-        assert x["lr"] == y["lr"]
-        assert abs(x["loss"] - y["loss"]) <= 1e-6 * abs(x["loss"]), (a, b)
-    # the held-out loss: at 0 and 3 before the stop, 6 and 8 after the resume, as in the uninterrupted run
-    va, vb = read_val(tmp_path / "full"), read_val(tmp_path / "part")
-    assert [s for s, _ in va] == [s for s, _ in vb] == [0, 3, 6, 8]
-    for (_, x), (_, y) in zip(va, vb):
-        assert abs(x - y) <= 1e-6 * abs(x), (va, vb)
+    warning = next(x for x in rest.stdout.splitlines() if x.startswith("WARNING: checkpoint"))
+    assert "step_0000004 is marked complete but does not load: rank 1: " in warning, warning
+    assert "Files that no longer read: zero_pp_rank_1_mp_rank_00_optim_states.pt" in warning, warning
+    assert "resumed from" in rest.stdout and "(step 2)" in rest.stdout
+    assert (ckpt / "damaged_step_0000004" / shard.name).stat().st_size == damaged_size  # kept aside, as it was
+    # the last record of each step (steps 2 and 3 ran twice) follows the uninterrupted run
+    a, b = read_log(tmp_path / "full"), {r["step"]: r for r in read_log(tmp_path / "part")}
+    assert sorted(b) == list(range(8))
+    for x in a:
+        y = b[x["step"]]
+        assert x["lr"] == y["lr"] and abs(x["loss"] - y["loss"]) <= 1e-6 * abs(x["loss"]), (a, b)
+    # the held-out loss: 0 and 3 before the stop, 3 again, 6 and 8 after the resume, as in the uninterrupted run
+    va, vb = dict(read_val(tmp_path / "full")), dict(read_val(tmp_path / "part"))
+    assert sorted(va) == sorted(vb) == [0, 3, 6, 8]
+    for k in va:
+        assert abs(va[k] - vb[k]) <= 1e-6 * abs(va[k]), (va, vb)
     # a run that is already complete resumes, does nothing, and leaves the checkpoint alone
-    again = run_train(small_args(small_store, tmp_path / "part", max_steps=8, grad_accum=2), nproc=1)
+    again = run_train(small_args(small_store, tmp_path / "part", **args), nproc=1)
     assert again.returncode == 0 and "run already complete" in again.stdout, again.stderr[-2000:]
     # going on with another world size is a clear error (ZeRO shards are per rank), not a traceback
-    other = run_train(small_args(small_store, tmp_path / "part", max_steps=10, grad_accum=2), nproc=1)
+    other = run_train(small_args(small_store, tmp_path / "part", **{**args, "max_steps": 10}), nproc=1)
     assert other.returncode == 2 and "written by 2 ranks and this job has 1" in other.stderr, other.stderr[-2000:]
-    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "part" / "ckpt"))] == [4, 8]
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(ckpt))] == [6, 8]
+    assert (ckpt / "damaged_step_0000004").is_dir()  # never deleted by the rotation
 
 
 def test_resume_refuses_a_changed_mask_or_dtype(small_store, tmp_path):
