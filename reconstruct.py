@@ -237,8 +237,9 @@ def main(argv):
     if need > have:
         raise configurator.ConfigError(
             f"crop {crop} needs about {need / 1e9:.1f} GB on one device by the planner and this {device.type} has "
-            f"{have / 1e9:.1f} GB: choose a smaller --crop, or reconstruct it split over GPUs with context "
-            f"parallelism (train.py --eval_only=True --cp=N on the run's checkpoint draws the validation figure)")
+            f"{have / 1e9:.1f} GB: choose a smaller --crop, or split it over GPUs with context parallelism: the "
+            f"training job's own evaluation runs with the run's cp (bash launch.sh CONFIG --eval_only=True draws "
+            f"validation sample 0 of the newest checkpoint, each rank holding crop[0] / cp inlines)")
     model = export.build_model(mcfg)
     model.load_state_dict(sd, strict=True)
     model.to(device).eval()

@@ -13,7 +13,7 @@ def launch(*args):
                           capture_output=True, text=True, timeout=900)
 
 
-def test_quickstart_learns_checkpoints_and_resumes(tmp_path):
+def test_quickstart_learns_evaluates_and_checkpoints(tmp_path):
     store, out = str(tmp_path / "qs.mdio"), str(tmp_path / "out")
     args = [f"--data_paths=['{store}']", f"--out_dir={out}"]
     r = launch(*args)
@@ -33,7 +33,4 @@ def test_quickstart_learns_checkpoints_and_resumes(tmp_path):
     assert "evaluation took" in r.stdout
     again = launch(*args)  # same command: finds the checkpoint, nothing left to do
     assert again.returncode == 0 and "run already complete" in again.stdout
-    more = launch(*args, "--max_steps=505")  # asked for more: resumes from step 500
-    assert more.returncode == 0, more.stderr[-3000:]
-    assert "resumed from" in more.stdout and "(step 500)" in more.stdout
-    assert [x["step"] for x in read_log(out)] == list(range(505))
+    assert [x["step"] for x in read_log(out)] == list(range(500))  # (asked for more, it resumes: test_launch.py)
