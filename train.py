@@ -553,7 +553,7 @@ def main(argv):
     def validate_at(done):
         """Evaluate the weights after `done` optimizer steps (the weights training step `done` starts from, and
         checkpoint step_{done} holds): val_loss to the log, figures, tensorboard."""
-        nonlocal eval_time
+        nonlocal eval_time, t_last
         if job.val_sampler is None:
             return
         read_back()  # the training records up to here are in log.jsonl before loss.png reads it
@@ -565,6 +565,7 @@ def main(argv):
                 tb.add_figure("reconstruction", fig, done)
             tb.flush()
         eval_time += time.time() - t0
+        t_last += time.time() - t0  # the next log line's ms/step and samples/s are training's alone
 
     if start == 0:
         validate_at(0)  # the untrained model: where the curve starts
