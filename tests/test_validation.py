@@ -137,6 +137,19 @@ def test_eval_only_prints_the_value_the_run_logged(run, small_store):
     assert r.returncode == 2 and "holds no complete checkpoint to evaluate" in r.stderr, r.stderr[-2000:]
 
 
+def test_val_paths_hold_out_whole_stores(small_store, tmp_path):
+    """With val_paths, validation reads those stores, whole, and training all of data_paths: val_frac is then not
+    applied (here 0.9 would leave training 5 of the small store's 48 inlines, fewer than a crop: an error if it
+    were), and the validation crops come from the other store."""
+    other = str(tmp_path / "held_out.mdio")
+    data.write_mdio(other, data.synthetic_volume((16, 16, 32), seed=9), chunks=(16, 16, 16))
+    r = run_train(small_args(small_store, tmp_path / "out", max_steps=3, val_paths=[other], val_frac=0.9), nproc=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [s for s, _ in read_val(tmp_path / "out")] == [0, 3]
+    va = data.Sampler([other], (16, 16, 32), stream="val")
+    assert {va.locate(g)[1] for g in range(5)} == {(0, 0, 0)}  # the whole (crop-sized) held-out store
+
+
 # ---- the figure from known inputs
 
 
@@ -160,8 +173,10 @@ def test_pasted_panel_is_the_original_on_visible_patches_and_norm_pix_is_undone(
     # the reconstruction where masked, in every drawn row; the masked input blank (NaN) exactly where masked
     rs = rs + 5.0
     sl = reconstruct.join_parts([reconstruct.centre_parts(xs, rs, ms, 0, 8)])
-    fig = reconstruct.recon_figure(str(tmp_path / "f.png"), sl, (10, 20, 30), "known inputs")
+    title = reconstruct.figure_title("known inputs", 7, 0.5, 0.75, norm_pix=True)
+    fig = reconstruct.recon_figure(str(tmp_path / "f.png"), sl, (10, 20, 30), title)
     assert os.path.getsize(tmp_path / "f.png") > 1000
+    assert "de-normalised with each target patch's own mean and std" in fig._suptitle.get_text()
     for row, name in enumerate(("inline", "crossline", "time")):
         orig, recon, msk = sl[name]
         ims = [fig.axes[4 * row + k].images[0].get_array() for k in range(4)]  # what imshow holds, transposed
