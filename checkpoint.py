@@ -129,10 +129,10 @@ def resume(engine, cfg, ckpt_dir, world, dtype, log):
         start = _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest=(i == 0))
         if start != "damaged":
             return start
-        moved.append(f"damaged_{tag}")
+        moved.append(tag)
     if moved:
-        raise configurator.ConfigError(f"no complete checkpoint in {ckpt_dir} loads (moved aside: {', '.join(moved)}): "
-                                       f"repair them, or start again in a new out_dir")
+        raise configurator.ConfigError(f"no complete checkpoint in {ckpt_dir} loads (moved aside as damaged_*: "
+                                       f"{', '.join(moved)}): repair them, or start again in a new out_dir")
     return 0
 
 
@@ -157,6 +157,9 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
         return {**{k: c.get(k) for k in ("model_size", "patch", "seed", "strategy", "crop", "cp", "micro_batch",
                                           "grad_accum", "mask_ratio")},
                 "mask_strata": (c.get("mask_strata") or c.get("cp")) if "mask_strata" in c else None,
+                # what is held out: training never touched it, and must not start to (nor a validation of trained
+                # inlines pass for held out, e.g. an eval_only with another val_frac)
+                "val_paths or val_frac": (c.get("val_paths") or c.get("val_frac")) if "val_frac" in c else None,
                 "dtype": dt}
     was = resolved(meta["config"], meta.get("dtype"))
     now = resolved(json.loads(json.dumps(cfg)), str(dtype))  # tuples come back as lists
@@ -170,14 +173,21 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
             f"checkpoint {ckpt_dir}/{tag} was written by {meta['world']} ranks and this job has {world}: "
             f"ZeRO partitions the optimizer state per rank, so resume with {meta['world']} ranks "
             f"(NPROC={meta['world']} bash launch.sh ...)")
+    # first a cheap look at the files (rank 0, shared storage), so that a truncated shard is found before any rank
+    # starts loading: under ZeRO-3 the ranks whose own shard is fine go on into collectives inside
+    # load_checkpoint (gathering the unpartitioned weights) that a rank whose shard failed would never join
+    bad = [unreadable_files(os.path.join(ckpt_dir, tag)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(bad, src=0)
+    why, bad = (f"files that no longer read: {', '.join(bad[0])}" if bad[0] else None), bad[0]
     from torch.distributed.checkpoint.api import CheckpointException  # DCP's: a BaseException, not an Exception
-    try:
-        path, client = engine.load_checkpoint(ckpt_dir, tag=tag)
-        why = None if path is not None and client is not None else "the engine found no checkpoint there"
-    except (Exception, CheckpointException) as e:  # a damaged file fails in the unpickler, the zip reader, DCP...
-        if isinstance(e, CheckpointException) and e.failures:  # DCP: every rank's failure, tracebacks in the text
-            e = e.failures.get(dist.get_rank(), next(iter(e.failures.values())))[0]
-        why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+    if not why:
+        try:
+            path, client = engine.load_checkpoint(ckpt_dir, tag=tag)
+            why = None if path is not None and client is not None else "the engine found no checkpoint there"
+        except (Exception, CheckpointException) as e:  # damage the look above cannot see (the unpickler, DCP...)
+            if isinstance(e, CheckpointException) and e.failures:  # DCP: every rank's failure, tracebacks in text
+                e = e.failures.get(dist.get_rank(), next(iter(e.failures.values())))[0]
+            why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
     # all ranks agree (a rank that loaded must not train alone); rank 0 learns every rank's reason
     ok = torch.tensor([0.0 if why else 1.0], device=next(engine.module.parameters()).device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
@@ -187,12 +197,15 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
     reasons = [None] * dist.get_world_size()
     dist.all_gather_object(reasons, why)
     if dist.get_rank() == 0:
-        bad = unreadable_files(os.path.join(ckpt_dir, tag))
-        print(f"WARNING: checkpoint {ckpt_dir}/{tag} is marked complete but does not load: "
-              + "; ".join(f"rank {r}: {w}" for r, w in enumerate(reasons) if w)
-              + (f". Files that no longer read: {', '.join(bad)}" if bad else "")
-              + f". Moved aside to {ckpt_dir}/damaged_{tag} (kept); trying the checkpoint before it.", flush=True)
-        os.replace(os.path.join(ckpt_dir, tag), os.path.join(ckpt_dir, f"damaged_{tag}"))
+        aside, n = f"damaged_{tag}", 1
+        while os.path.exists(os.path.join(ckpt_dir, aside)):  # damaged before, rewritten, damaged again
+            n += 1
+            aside = f"damaged_{tag}.{n}"
+        why_all = (f"files that no longer read: {', '.join(bad)}" if bad else
+                   "; ".join(f"rank {r}: {w}" for r, w in enumerate(reasons) if w))
+        print(f"WARNING: checkpoint {ckpt_dir}/{tag} is marked complete but does not load: {why_all}. Moved aside to "
+              f"{ckpt_dir}/{aside} (kept); trying the checkpoint before it.", flush=True)
+        os.replace(os.path.join(ckpt_dir, tag), os.path.join(ckpt_dir, aside))
         fsync_dir(ckpt_dir)
     dist.barrier()
     return "damaged"

@@ -201,7 +201,7 @@ def _read_checkpoint(ckpt_dir, tag, meta):
         sd = _dcp_state_dict(path, template) if strategy == "fsdp2" else _zero_state_dict(ckpt_dir, tag)
     except configurator.ConfigError:
         raise
-    except (OSError, ValueError, KeyError, RuntimeError, CheckpointException) as e:
+    except (Exception, CheckpointException) as e:  # the unpickler, the zip reader, DCP: a damaged file, any way
         # a COMPLETE checkpoint that cannot be read has lost a file since (or was copied in part). DCP wraps the
         # reader's exception, with its traceback in the text: the original says what is missing
         if isinstance(e, CheckpointException) and e.failures:

@@ -200,7 +200,15 @@ def main(argv):
     ap.add_argument("--s3_anon", action="store_true")
     ap.add_argument("--s3_endpoint", default="")
     a = ap.parse_args(argv)
-    triple = lambda s, what: tuple(int(v) for v in s.strip("()[] ").split(",")) if s else None  # noqa: E731
+    def triple(s, what):
+        try:
+            v = tuple(int(x) for x in s.strip("()[] ").split(",")) if s else None
+        except ValueError:
+            v = ()
+        if v is not None and (len(v) != 3 or (what != "origin" and min(v) < 1)):
+            raise configurator.ConfigError(f"--{what}={s!r}: give 3 {'non-negative' if what == 'origin' else 'positive'} "
+                                           f"integers (inline, crossline, time), e.g. --{what}=16,16,64")
+        return v
 
     # ---- the model: a file, or a run's checkpoint exported in memory
     if os.path.isdir(a.model):
@@ -231,6 +239,8 @@ def main(argv):
     if math.prod(grid) % strata:
         strata = 1
     mcfg = {**cfg, "crop": crop, "mask_ratio": mask_ratio, "cp": 1, "mask_strata": strata}
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise configurator.ConfigError("--device=cuda but torch sees no GPU here: use --device=cpu (or auto)")
     device = torch.device("cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     need, have = memory_needed(mcfg), device_memory(device)
@@ -251,7 +261,9 @@ def main(argv):
     vol = data.Volume(store, opts)
     origin = triple(a.origin, "origin")
     if origin is None:  # drawn: in the held-out inlines of a training store, if the run held some out
-        held_out = store in cfg["data_paths"] and not cfg.get("val_paths") and cfg.get("val_frac", 0) > 0
+        same = lambda u: u if "://" in u else os.path.abspath(u)  # noqa: E731  (relative vs absolute paths)
+        held_out = (same(store) in map(same, cfg["data_paths"]) and not cfg.get("val_paths")
+                    and cfg.get("val_frac", 0) > 0)
         rng = np.random.default_rng([a.seed, 4])
         ranges = [data.split_inline(vol, ("val", cfg["val_frac"]), crop[0]) if held_out else (0, vol.shape[0]),
                   (0, vol.shape[1]), (0, vol.shape[2])]

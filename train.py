@@ -159,6 +159,12 @@ def validate(cfg):
     need(cfg["eval_interval"] >= 1, f"eval_interval must be >= 1, got {cfg['eval_interval']}")
     need(not cfg["eval_only"] or cfg["val_paths"] or cfg["val_frac"] > 0,
          "eval_only=True needs a validation set: val_paths, or val_frac > 0 as the run had")
+    if cfg["figures"]:
+        try:
+            importlib.import_module("matplotlib")  # drawn at the first evaluation, after the setup
+        except ImportError as e:
+            raise configurator.ConfigError(f"figures=True needs matplotlib ({e}): pip install matplotlib (it is in "
+                                           f"requirements.txt), or set figures=False") from None
     if cfg["tensorboard"]:
         try:
             importlib.import_module("torch.utils.tensorboard")  # fail now, not after hours of training
@@ -511,7 +517,7 @@ def main(argv):
     if cfg["eval_only"]:
         if not start:
             raise configurator.ConfigError(f"eval_only=True but {ckpt_dir} holds no complete checkpoint to evaluate")
-        val, _ = evaluate.on_job(job, start, None)  # draws its figure; log.jsonl is the run's, left alone
+        val, _ = evaluate.on_job(job, start, None)  # redraws that step's figure; log.jsonl is the run's, left alone
         log(json.dumps({"step": start, "val_loss": val}))  # the last line: the value, as log.jsonl holds it
         return 0
     if start is None:
@@ -567,10 +573,9 @@ def main(argv):
         eval_time += time.time() - t0
         t_last += time.time() - t0  # the next log line's ms/step and samples/s are training's alone
 
-    if start == 0:
-        validate_at(0)  # the untrained model: where the curve starts
-
     try:
+        if start == 0:
+            validate_at(0)  # the untrained model: where the curve starts
         for step in range(start, end):
             t_step = time.time()
             step_loss, lr, wait = train_step(job, step, batches)

@@ -298,6 +298,8 @@ def test_reconstruct_bad_input(runs, files, tmp_path):
                        ((path, "--patch=(16,16,16)"), "trained with patch (8, 8, 8) and --patch is (16, 16, 16)"),
                        ((path, "--crop=(8192,8192,8192)"), "on one device by the planner"),
                        ((path, "--crop=(12,16,32)"), "must be 3 multiples of the model's patch"),
+                       ((path, "--crop=-16,16,32"), "give 3 positive integers"),
+                       ((path, "--origin=a,b,c"), "give 3 non-negative integers"),
                        ((enc,), "holds the encoder only: it cannot reconstruct")):
         r, _ = recon(*args, f"--out={tmp_path / 'x.png'}")
         assert r.returncode == 2, (args, r.stderr[-2000:])
