@@ -206,3 +206,21 @@ def test_checkpoint_is_on_disk_before_it_is_marked_complete(tmp_path, monkeypatc
     after = [p for kind, p in events[complete:] if kind == "fsync"]
     assert after[:2] == [str(step_dir), str(tmp_path)], after
     assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path))] == [5]
+
+
+@pytest.mark.parametrize("strategy,shard", [("zero3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                            ("fsdp2", "__1_0.distcp")])
+def test_sharded_strategies_fall_back_past_a_damaged_shard(small_store, tmp_path, strategy, shard):
+    """Under ZeRO-3 a rank whose own shard loads goes on into collectives inside load_checkpoint, and FSDP2's DCP
+    load is collective: the damage must be found before any rank loads (no hang), and the run goes on from the
+    checkpoint before."""
+    args = dict(max_steps=5, ckpt_interval=2, strategy=strategy)
+    first = run_train(small_args(small_store, tmp_path, stop_step=4, **args), nproc=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    f = tmp_path / "ckpt" / "step_0000004" / shard
+    os.truncate(f, f.stat().st_size // 2)
+    rest = run_train(small_args(small_store, tmp_path, **args), nproc=2, timeout=300)
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert f"does not load: files that no longer read: {shard}" in rest.stdout and "(step 2)" in rest.stdout
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "ckpt"))] == [4, 5]
+    assert (tmp_path / "ckpt" / "damaged_step_0000004" / shard).exists()
