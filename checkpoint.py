@@ -150,29 +150,7 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
             f"{cfg['max_steps']}; raise --max_steps to go on")
         return None
 
-    # what the run's function depends on must not change under it: the model, the data stream, the masks
-    # (mask_ratio; mask_strata, whose default follows cp) and the compute dtype (resolved: 'auto' is bf16 on
-    # GPU). Older checkpoints lack some keys: those are not compared.
-    def resolved(c, dt):
-        return {**{k: c.get(k) for k in ("model_size", "patch", "seed", "strategy", "crop", "cp", "micro_batch",
-                                          "grad_accum", "mask_ratio")},
-                "mask_strata": (c.get("mask_strata") or c.get("cp")) if "mask_strata" in c else None,
-                # what is held out: training never touched it, and must not start to (nor a validation of trained
-                # inlines pass for held out, e.g. an eval_only with another val_frac)
-                "val_paths or val_frac": (c.get("val_paths") or c.get("val_frac")) if "val_frac" in c else None,
-                "dtype": dt}
-    was = resolved(meta["config"], meta.get("dtype"))
-    now = resolved(json.loads(json.dumps(cfg)), str(dtype))  # tuples come back as lists
-    for key in was:
-        if was[key] is not None and was[key] != now[key]:
-            raise configurator.ConfigError(
-                f"checkpoint {ckpt_dir}/{tag} was trained with {key}={was[key]!r}, this run has {now[key]!r}: "
-                f"set it back to resume, or use another out_dir to start a new run")
-    if meta["world"] != world:
-        raise configurator.ConfigError(
-            f"checkpoint {ckpt_dir}/{tag} was written by {meta['world']} ranks and this job has {world}: "
-            f"ZeRO partitions the optimizer state per rank, so resume with {meta['world']} ranks "
-            f"(NPROC={meta['world']} bash launch.sh ...)")
+    check_compatible(meta, cfg, world, str(dtype), f"{ckpt_dir}/{tag}")
     # first a cheap look at the files (rank 0, shared storage), so that a truncated shard is found before any rank
     # starts loading: under ZeRO-3 the ranks whose own shard is fine go on into collectives inside
     # load_checkpoint (gathering the unpartitioned weights) that a rank whose shard failed would never join
@@ -209,6 +187,36 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
         fsync_dir(ckpt_dir)
     dist.barrier()
     return "damaged"
+
+
+def check_compatible(meta, cfg, world, dtype, where):
+    """Raise ConfigError unless the checkpoint whose COMPLETE marker is `meta` can be continued by a run of config
+    `cfg` on `world` ranks computing in `dtype` (a str like 'torch.bfloat16'; None: not compared, as in launch.sh's
+    pre-flight, which cannot always tell what 'auto' will resolve to on the nodes). Needs no engine: resume
+    calls it on every rank, train.py's dry run before torchrun starts."""
+    # what the run's function depends on must not change under it: the model, the data stream, the masks
+    # (mask_ratio; mask_strata, whose default follows cp) and the compute dtype (resolved: 'auto' is bf16 on
+    # GPU). Older checkpoints lack some keys: those are not compared.
+    def resolved(c, dt):
+        return {**{k: c.get(k) for k in ("model_size", "patch", "seed", "strategy", "crop", "cp", "micro_batch",
+                                          "grad_accum", "mask_ratio")},
+                "mask_strata": (c.get("mask_strata") or c.get("cp")) if "mask_strata" in c else None,
+                # what is held out: training never touched it, and must not start to (nor a validation of trained
+                # inlines pass for held out, e.g. an eval_only with another val_frac)
+                "val_paths or val_frac": (c.get("val_paths") or c.get("val_frac")) if "val_frac" in c else None,
+                "dtype": dt}
+    was = resolved(meta["config"], meta.get("dtype"))
+    now = resolved(json.loads(json.dumps(cfg)), dtype)  # tuples come back as lists
+    for key in was:
+        if was[key] is not None and now[key] is not None and was[key] != now[key]:
+            raise configurator.ConfigError(
+                f"checkpoint {where} was trained with {key}={was[key]!r}, this run has {now[key]!r}: "
+                f"set it back to resume, or use another out_dir to start a new run")
+    if meta["world"] != world:
+        raise configurator.ConfigError(
+            f"checkpoint {where} was written by {meta['world']} ranks and this job has {world}: "
+            f"ZeRO partitions the optimizer state per rank, so resume with {meta['world']} ranks "
+            f"(NPROC={meta['world']} bash launch.sh ...)")
 
 
 def unreadable_files(path):

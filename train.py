@@ -474,6 +474,18 @@ def check_launch(cfg):
                                        f"{allocated}: allocate more nodes, or set --nodes={allocated}")
     if world % cp:
         raise configurator.ConfigError(f"world size {world} = {cfg['nodes']} nodes x {gpn} is not divisible by cp={cp}")
+    # the checkpoint this run would resume from must fit it: refused here, before torchrun starts any rank (dtype
+    # 'auto' is left to the ranks: this host may not be the kind of machine they run on)
+    ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
+    done = checkpoint.complete_checkpoints(ckpt_dir)
+    if done and not cfg["resume"]:
+        raise configurator.ConfigError(f"{ckpt_dir} holds checkpoints of an earlier run and resume=False: use a new "
+                                       f"out_dir (mixing two runs' checkpoints in one directory is never safe)")
+    if done:
+        with open(os.path.join(ckpt_dir, done[-1][1], "COMPLETE")) as f:
+            dt = None if cfg["dtype"] == "auto" else str(getattr(torch, cfg["dtype"]))
+            checkpoint.check_compatible(json.load(f), cfg, world, dt, f"{ckpt_dir}/{done[-1][1]}")
+        print(f"resume: {ckpt_dir}/{done[-1][1]} fits this run")
     if cp > gpn:
         print(f"warning: cp={cp} spans more than one node ({gpn} GPUs each): the ring would cross the network")
     dp = world // cp
