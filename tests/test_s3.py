@@ -130,13 +130,13 @@ def test_aligned_crops_and_live_fraction(small_store):
 
 
 def test_training_through_faulty_s3_equals_fault_free(s3, small_store, tmp_path):
-    """30 steps reading from S3 through a proxy that fails 10 % of requests complete, and every sample is
+    """20 steps reading from S3 through a proxy that fails 10 % of requests complete, and every sample is
     the fault-free run's, bit for bit (Sampler level), so the losses are identical too (validation only at the
     start and the end: its reads go through the faulty proxy as well, and its 1 s delays add up)."""
     proxy = FaultProxy(s3.port, fail=0.1, delay_s=1.0, seed=2)
     try:
         env = job_env()
-        args = dict(max_steps=30, log_interval=10, read_timeout_s=0.5, eval_interval=1000)
+        args = dict(max_steps=20, log_interval=10, read_timeout_s=0.5, eval_interval=1000)
         clean = run_train(small_args(s3.url, tmp_path / "clean", s3_endpoint=s3.endpoint, **args), env=env)
         assert clean.returncode == 0, clean.stderr[-3000:]
         faulty = run_train(small_args(s3.url, tmp_path / "faulty", s3_endpoint=proxy.endpoint, **args), env=env)
@@ -147,7 +147,7 @@ def test_training_through_faulty_s3_equals_fault_free(s3, small_store, tmp_path)
         a = data.Sampler([s3.url], (16, 16, 32), micro_batch=2,
                          opts=data.ReadOptions(in_flight=8, endpoint_url=proxy.endpoint, timeout_s=0.5))
         b = data.Sampler([small_store], (16, 16, 32), micro_batch=2)
-        for step in range(30):
+        for step in range(20):
             assert np.array_equal(a.batch(step)[0].numpy(), b.batch(step)[0].numpy())
         a.close()
         b.close()
