@@ -538,10 +538,8 @@ def main(argv):
     # ---- the training loop. The prefetcher reads the next micro batches in threads while we compute.
     os.makedirs(cfg["out_dir"], exist_ok=True)
     log_file = open(os.path.join(cfg["out_dir"], "log.jsonl"), "a") if rank == 0 else None
-    tb = None
-    if cfg["tensorboard"] and rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
-        tb = SummaryWriter(os.path.join(cfg["out_dir"], "tb"))
+    tb = (importlib.import_module("torch.utils.tensorboard").SummaryWriter(os.path.join(cfg["out_dir"], "tb"))
+          if cfg["tensorboard"] and rank == 0 else None)
     t_run, eval_time = time.time(), 0.0
     end = cfg["max_steps"] if cfg["stop_step"] <= 0 else min(cfg["max_steps"], cfg["stop_step"])
     batches = micro_batches(job, start, end)
