@@ -529,12 +529,12 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt):
 def param_counts(m):
     """Parameter counts of a model.MAE (works on the meta device): all of them, the largest block, the ones
     outside the blocks (embeddings, tokens, final norms, head), those ZeRO-3 never partitions, the largest tensor."""
-    import train
+    import strategies
     ps, blocks = list(m.parameters()), list(m.blocks) + list(m.decoder_blocks)
     per_block = [sum(p.numel() for p in b.parameters()) for b in blocks]
     P = sum(p.numel() for p in ps)
     return {"P": P, "block": max(per_block), "root": P - sum(per_block),
-            "small": sum(p.numel() for p in ps if p.numel() <= train.ZERO3_PERSIST),
+            "small": sum(p.numel() for p in ps if p.numel() <= strategies.ZERO3_PERSIST),
             "largest": max(p.numel() for p in ps)}
 
 

@@ -9,6 +9,7 @@ import torch
 import configurator
 import data
 import checkpoint
+import strategies
 import train
 from conftest import read_log, read_val, run_train, small_args
 
@@ -180,7 +181,7 @@ def test_checkpoint_is_on_disk_before_it_is_marked_complete(tmp_path, monkeypatc
     try:
         cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
         cfg.update(strategy="fsdp2", grad_clip=0.0)
-        engine = train.FSDP2Engine(MODELS["tiny"](grid=(2, 2, 2), patch=(4, 4, 4)), cfg, 1e-3, torch.float32,
+        engine = strategies.FSDP2Engine(MODELS["tiny"](grid=(2, 2, 2), patch=(4, 4, 4)), cfg, 1e-3, torch.float32,
                                    torch.device("cpu"))
         events, real_fsync, real_replace = [], os.fsync, os.replace
 

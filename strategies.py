@@ -1,0 +1,165 @@
+"""
+The training strategies behind one engine: DeepSpeed ZeRO-2, DeepSpeed ZeRO-3, PyTorch FSDP2 (fully_shard).
+
+    engine, optimizer = build(model, cfg, peak_lr, dtype, device)
+
+The engine is DeepSpeed's, or FSDP2Engine with the same few calls (engine(x, ids_keep=...), backward(loss),
+step(), save_checkpoint / load_checkpoint, .module), so train.py's loop and checkpoint.py are one code path
+for every strategy. What each strategy keeps on a rank (bench.py's planner counts the same bytes):
+    zero2  weights replicated; fp32 masters, AdamW moments and gradients partitioned over all ranks
+    zero3  the weights partitioned too, gathered layer by layer for forward and backward
+    fsdp2  like zero3, with PyTorch's DTensor shards: one all-gather per transformer block
+Gradient semantics are the same under all three: the mean over the whole world (train.py's docstring says
+why that is the mean over samples with context parallelism too).
+"""
+import os
+
+import torch
+
+ZERO3_PERSIST = int(1e5)  # ZeRO-3 never partitions parameters of at most this many elements (DeepSpeed's default)
+
+
+def build(model, cfg, peak_lr, dtype, device):
+    """Wrap `model` (built and seeded identically on every rank) for cfg["strategy"]; AdamW at peak_lr (train.py
+    sets each step's lr in the optimizer's groups). torch.distributed must be initialised."""
+    strategy, on_gpu = cfg["strategy"], device.type == "cuda"
+    if strategy == "fsdp2":
+        engine = FSDP2Engine(model, cfg, peak_lr, dtype, device)
+        return engine, engine.optimizer
+    import deepspeed  # (train.py imported it first, after choosing DeepSpeed's accelerator)
+    optimizer = make_optimizer(model, cfg, peak_lr)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": cfg["micro_batch"],
+        "gradient_accumulation_steps": cfg["grad_accum"],
+        "gradient_clipping": cfg["grad_clip"],
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        # gradients in fp32, as FSDP2 keeps them here (reduce_dtype) and Megatron does: reduced in fp32
+        # (communication_data_type) AND accumulated and kept in fp32 (grad_accum_dtype). Without the latter,
+        # ZeRO-2/3 allocate the gradient partition in the model dtype and round the fp32-reduced result back
+        # to bf16 (stage_1_and_2.py, stage3.py): measured 14x further from the fp32 run than FSDP2.
+        "communication_data_type": "fp32",
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "zero_optimization": {
+            # ZeRO-2: optimizer state and gradients partitioned over all ranks, weights replicated.
+            # ZeRO-3: the weights too, gathered layer by layer for forward and backward.
+            "stage": 2 if strategy == "zero2" else 3,
+            # reduce_scatter + contiguous_gradients also keep the gradient all-reduce on for CPU tensors.
+            "contiguous_gradients": True, "reduce_scatter": True, "overlap_comm": on_gpu,
+            # buckets: gradients are copied into a reduce bucket of this many elements (ZeRO-2: two with
+            # overlap_comm, in the compute dtype; ZeRO-3: one, in fp32) and reduced a bucket at a time; ZeRO-3
+            # prefetches the next layers' weights up to a tenth of it (DeepSpeed's defaults: 5e8 and 5e7).
+            # bench.py plan counts the same bytes (state_bytes).
+            "reduce_bucket_size": cfg["zero_bucket"], "allgather_bucket_size": cfg["zero_bucket"],
+            "stage3_prefetch_bucket_size": cfg["zero_bucket"] // 10,
+            # ZeRO-3 does not release a gathered weight that the forward+backward trace uses again within
+            # max_reuse_distance elements (so a model under half of it stays whole on every rank from forward
+            # to backward), and prefetches no further than max_live_parameters resident (DeepSpeed's defaults:
+            # 1e9 both). Parameters of at most 1e5 elements (norms, biases) are never partitioned at all.
+            "stage3_max_live_parameters": cfg["zero3_max_live"], "stage3_max_reuse_distance": cfg["zero3_max_live"],
+            "stage3_param_persistence_threshold": ZERO3_PERSIST,
+            # ZeRO-3 normally swaps F.linear for its own function, which (for 3D inputs) does a matmul and then
+            # adds the bias: in bf16 two roundings where addmm makes one, so bf16 ZeRO-3 drifted from ZeRO-2 and
+            # FSDP2 (2.4x further from fp32 over 40 quickstart steps). It saves the same tensors as F.linear,
+            # whose backward works under ZeRO-3 too (the weights are gathered before each module's backward).
+            # Off: the same linear as the other strategies, and the same bf16 losses as ZeRO-2 (measured).
+            "memory_efficient_linear": False,
+        },
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10 ** 9,  # we print our own log line
+    }
+    # DeepSpeed casts the module to bf16 in place, then makes its fp32 master weights FROM that bf16 copy: the
+    # init's low bits would be gone. They matter: an early update (lr x 1 during warmup) is far below a bf16
+    # weight's spacing, so round(round(init) + update) = round(init) and the weights do not move for many
+    # steps, while round(init + update) moves by the update on average (FSDP2 keeps the fp32 init as its
+    # master: measured on the quickstart, bf16 ZeRO-2 strayed 16x further from the fp32 run than FSDP2).
+    # So the fp32 init goes into the masters, through DeepSpeed's own setter.
+    init = {n: p.detach().clone() for n, p in model.named_parameters()} if dtype != torch.float32 else None
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    if init is not None:
+        for n, p in engine.module.named_parameters():
+            set_fp32_master(engine.optimizer, p, init[n].to(device))
+    return engine, optimizer
+
+
+def set_fp32_master(opt, p, value):
+    """Write `value` (the whole parameter, fp32) into this rank's fp32 master copy of parameter p. ZeRO-2:
+    DeepSpeed's own setter. ZeRO-3: its setter cuts this rank's slice with narrow(), which runs past the end on
+    the last rank when p's size does not divide by the world size (the partitions are padded): 24 ranks and a
+    1024-wide layer, say. So the slice is cut here, clipped to the parameter, the padding left alone."""
+    from deepspeed.utils import safe_set_full_fp32_param
+    if not hasattr(p, "ds_id"):
+        return safe_set_full_fp32_param(p, value)
+    part, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False)
+    flat = value.flatten()
+    lo = opt._get_param_partition_rank(p) * p.partition_numel()  # every rank's partition: the padded size
+    hi = min(lo + part.numel(), flat.numel())
+    if hi > lo:
+        part.data[: hi - lo].copy_(flat[lo:hi])
+
+
+def make_optimizer(model, cfg, lr):
+    """AdamW; weight decay on weight matrices and the conv kernel only (not biases, norms, cls/mask tokens)."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "token" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "token" not in n)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(cfg["beta1"], cfg["beta2"]))
+
+
+class FSDP2Engine:
+    """PyTorch FSDP2 (fully_shard) behind the few calls of the DeepSpeed engine that this file uses:
+    engine(x, ids_keep=...), backward(loss), step(), save_checkpoint / load_checkpoint, .module. So the training
+    loop is the same for every strategy, and so are the gradient semantics: FSDP2 reduce-scatters the mean
+    over the whole world, as ZeRO does; backward divides by grad_accum, as DeepSpeed's engine does."""
+
+    def __init__(self, model, cfg, lr, dtype, device):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for blk in list(model.blocks) + list(model.decoder_blocks):  # one all-gather per block
+            fully_shard(blk, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)  # the rest: embeddings, tokens, norms, heads
+        self.module, self.cfg, self.micro = model, cfg, 0
+        self.optimizer = make_optimizer(model, cfg, lr)  # after sharding: it steps the local shards
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def eval(self):
+        self.module.eval()
+
+    def train(self):
+        self.module.train()
+
+    def backward(self, loss):
+        (loss / self.cfg["grad_accum"]).backward()
+
+    def step(self):
+        self.micro += 1
+        if self.micro % self.cfg["grad_accum"]:
+            return  # gradients accumulate until the last micro step
+        if self.cfg["grad_clip"] > 0:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg["grad_clip"])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _state(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        msd, osd = get_state_dict(self.module, self.optimizer)
+        return {"model": msd, "optim": osd}
+
+    def save_checkpoint(self, ckpt_dir, tag, client_state):
+        import torch.distributed.checkpoint as dcp
+        path = os.path.join(ckpt_dir, tag)
+        dcp.save(self._state(), checkpoint_id=path)  # every rank writes its shards
+        if torch.distributed.get_rank() == 0:
+            torch.save(client_state, os.path.join(path, "client_state.pt"))
+
+    def load_checkpoint(self, ckpt_dir, tag):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+        path = os.path.join(ckpt_dir, tag)
+        state = self._state()
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return path, torch.load(os.path.join(path, "client_state.pt"), weights_only=False)
