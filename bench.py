@@ -648,6 +648,18 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     s3_node = sps / max(1, W // gpus_per_node) * voxels * 4  # float32 voxels of every sample, per node
     strategy = cfg["strategy"]
     fits = mem[strategy] <= 0.92 * g["mem_gb"]
+    # what a stop signal costs (checkpoint.StopRequest), so that SLURM's warning before the time limit (launch.sh's
+    # srun --signal=USR1@lead) leaves time for it: the step in progress and, on a GPU, one more (the stop flag is
+    # read a step late), an evaluation that may be running (forwards only: a third of a training sample's FLOPs,
+    # ceil(eval_samples / dp) samples per cp group), and the checkpoint write: fp32 master weights and AdamW's m and v
+    # (12 bytes per parameter, partitioned) and the weights in the compute dtype, at out_dir's write bandwidth.
+    step_s = cfg["micro_batch"] * cfg["grad_accum"] * (W // cp) / sps
+    has_val = bool(cfg["val_paths"]) or cfg["val_frac"] > 0
+    eval_s = math.ceil(cfg["eval_samples"] / (W // cp)) * fps / 3 / (cp * g["flops"] * mfu) if has_val else 0.0
+    ckpt_bytes = P * (12 + elem)
+    ckpt_s = ckpt_bytes / (cfg["ckpt_write_gbps"] * 1e9)
+    # x 1.5 for the planner's error, + 60 s: SLURM may send the signal up to a minute early or late (its timer)
+    stop_lead = math.ceil(60 + 1.5 * (2 * step_s + eval_s + ckpt_s))
     return {"gpu": gpu, "world": W, "dp": W // cp, "cp": cp, "params": P, "tokens": m.L, "visible": m.n_keep(),
             "enc_tokens_per_rank": (m.n_keep() + 1) / cp, "dec_tokens_per_rank": m.L / cp,
             "flops_per_sample": fps, "mfu": mfu, "samples_per_s": sps,
@@ -656,7 +668,9 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             "activations_gb": round(act / 1e9, 2), "activations_other_ckpt_gb": round(act_other / 1e9, 2),
             "ring_gb_per_step_per_rank": round(ring_bytes / 1e9, 2), "ring_hidden_by_compute": hidden,
             "s3_gb_per_s_per_node": round(s3_node / 1e9, 3), "strategy": strategy, "grad_ckpt": cfg["grad_ckpt"],
-            "fits": bool(fits), "limit_gb": round(0.92 * g["mem_gb"], 1)}
+            "fits": bool(fits), "limit_gb": round(0.92 * g["mem_gb"], 1),
+            "step_s": step_s, "eval_s": eval_s, "ckpt_gb": round(ckpt_bytes / 1e9, 2), "ckpt_s": ckpt_s,
+            "stop_lead_s": stop_lead}
 
 
 def calibrate():

@@ -24,10 +24,19 @@
 # DRY_RUN=1: print the environment and the exact command every node would run, for the config's node count,
 # then run train.py's validation and the memory planner only (no GPU, no data, no training).
 #
+# Stopping (train.py's checkpoint.StopRequest): SIGTERM or SIGUSR1 to this script (or, under SLURM, to the job)
+# makes the ranks write a checkpoint at the next step boundary and exit; this script then ends with the line of
+# out_dir/STOPPED and exit code 75 ("stopped, resumable": run the same command again to continue). Under SLURM
+# the step asks for SIGUSR1 stop_lead_s before the time limit (srun --signal; the dry run prints the planner's
+# lead), and REQUEUE=1 makes a job that stopped so requeue itself (scontrol requeue) to go on in a new allocation.
+# When the ranks fail, the last line repeats the first `error:` line any rank printed (the cause, not the
+# traceback of a rank that lost its peer).
+#
 # Knobs: NPROC (ranks per node; default: the config's gpus_per_node, else every GPU, else 2 on CPU),
 # THREADS (CPU threads per rank), PYTHON (interpreter; default python3 on PATH), PORT (rendezvous, 29500),
 # LOG_DIR (per-node logs, default logs/), SSH_OPTS (extra ssh options in hostfile mode, e.g. "-p 2222"),
-# HYPERPOD (1/0: SageMaker HyperPod's srun --auto-resume; default: 1 where /opt/sagemaker_cluster exists).
+# HYPERPOD (1/0: SageMaker HyperPod's srun --auto-resume; default: 1 where /opt/sagemaker_cluster exists),
+# REQUEUE (1: sbatch --requeue, and a job stopped by its time-limit warning requeues itself; default 0).
 set -euo pipefail
 NODE=0
 if [ "${1:-}" = "--node" ]; then NODE=1; shift; fi  # started by launch.sh itself on one node (see above)
@@ -66,6 +75,8 @@ PLAN=$(NPROC=${NPROC:-2} "$PYTHON" train.py "$@" --dry_run=True 2>&1) || { echo 
 NODES=$(echo "$PLAN" | sed -n 's/^LAUNCH nodes=\([0-9]*\).*/\1/p')
 GPN=$(echo "$PLAN" | sed -n 's/^LAUNCH .*gpus_per_node=\([0-9]*\).*/\1/p')
 CONFIG_GPUS=$(echo "$PLAN" | sed -n 's/^LAUNCH .*config_gpus=\([0-9]*\).*/\1/p')
+OUT_DIR=$(echo "$PLAN" | sed -n 's/^LAUNCH_OUT_DIR=//p')          # where the ranks write STOPPED
+STOP_LEAD=$(echo "$PLAN" | sed -n 's/^LAUNCH_STOP_LEAD_S=//p')    # seconds: SLURM's warning before the time limit
 NPROC=${NPROC:-$GPN}
 
 # Inside an srun step (a numeric SLURM_STEP_ID: not the batch script, not salloc's interactive step):
@@ -125,7 +136,42 @@ node_cmd() {  # $1 = head address, then train.py's arguments
   local head=$1
   shift
   echo "$PYTHON -m torch.distributed.run --nnodes=$NODES --nproc_per_node=$NPROC --rdzv_backend=c10d" \
-       "--rdzv_endpoint=$head:$PORT --rdzv_id=${SLURM_JOB_ID:-${RDZV_ID:-mae}} --max_restarts=0 train.py $(printf '%q ' "$@")"
+       "--rdzv_endpoint=$head:$PORT --rdzv_id=${SLURM_JOB_ID:-${RDZV_ID:-mae}} --max_restarts=0" \
+       "--signals_to_handle=SIGINT,SIGHUP,SIGQUIT train.py $(printf '%q ' "$@")"
+}
+
+# ---- the ranks of one node, supervised: stop signals reach them, and the last line says how the run ended.
+# torchrun runs with SIGTERM and SIGUSR1 ignored (and left out of its --signals_to_handle). Handling them, it would
+# forward the first and kill the ranks 30 s later, mid-checkpoint if need be; and SLURM signals every process of
+# a step, so with this script's forward a rank can get one signal twice, and a repeat cuts torchrun's shutdown
+# short. The ranks install their own handlers (they ignore repeats); this script forwards each signal to them.
+run_ranks() {  # the torchrun command line
+  rm -f "$OUT_DIR/STOPPED"  # the ranks write it after a stop's checkpoint is complete
+  MAE_ERROR_FILE=$(mktemp "${TMPDIR:-/tmp}/mae_errors.XXXXXX")  # each failing rank appends its first line
+  export MAE_ERROR_FILE MAE_LAUNCHER=launch.sh  # (under launch.sh a rank that stopped cleanly exits 0, not 75)
+  ( trap '' TERM USR1; exec "$@" ) &
+  local pid=$! rc=0 first
+  # shellcheck disable=SC2064  # the pid, now
+  trap "forward_stop TERM $pid" TERM
+  # shellcheck disable=SC2064
+  trap "forward_stop USR1 $pid" USR1
+  trap 'echo "launch.sh: SIGINT: torchrun stops the ranks now, without a checkpoint (SIGTERM or SIGUSR1 write one)" >&2' INT
+  while kill -0 "$pid" 2>/dev/null; do wait "$pid" 2>/dev/null || true; done  # (a trapped signal ends a wait)
+  wait "$pid" 2>/dev/null || rc=$?  # bash keeps the status of a child it reaped
+  trap - TERM USR1 INT
+  first=$(sed -n 1p "$MAE_ERROR_FILE"); rm -f "$MAE_ERROR_FILE"
+  if [ -s "$OUT_DIR/STOPPED" ]; then
+    echo "launch.sh: $(cat "$OUT_DIR/STOPPED")" >&2
+    return 75
+  fi
+  if [ "$rc" -ne 0 ]; then
+    echo "${first:-error: the ranks failed (torchrun exit $rc) and none printed an error: line; the first traceback above is the cause}" >&2
+  fi
+  return "$rc"
+}
+forward_stop() {  # SIG torchrun-pid: to the ranks, torchrun's children
+  echo "launch.sh: SIG$1: the ranks write a checkpoint after their current step, then stop" >&2
+  pkill "-$1" -P "$2" || true
 }
 
 # GPUs per node that SLURM schedules as gres (`Gres=gpu:h200:8` in slurm.conf), 0 where it schedules none: CPU
@@ -163,6 +209,8 @@ srun_cmd() {  # train.py's arguments
   # where a task plugin binds at all (task/affinity, task/cgroup); with task/none srun would warn about it.
   local tp; tp=$(scontrol show config 2>/dev/null | sed -n 's/^TaskPlugin *= *//p')  # (sed reads all: no SIGPIPE)
   if [[ "$tp" == *affinity* || "$tp" == *cgroup* ]]; then extra+=" --cpu-bind=none"; fi
+  # SLURM's warning before the time limit, to every process of the step (the ranks stop with a checkpoint)
+  extra+=" --signal=USR1@$STOP_LEAD"
   # one task per node, each node's output in its own log (%t = node index within the step); --ntasks explicitly:
   # srun would otherwise take the enclosing step's or salloc's SLURM_NTASKS as its own
   echo "srun$extra --nodes=$NODES --ntasks=$NODES --ntasks-per-node=1 --kill-on-bad-exit=1" \
@@ -185,7 +233,8 @@ if [ "${DRY_RUN:-0}" = "1" ]; then
     done
     echo "(HEAD = the first host of the allocation or hostfile, computed on each node at start)"
   else
-    echo "node 0 runs: $PYTHON -m torch.distributed.run --standalone --nproc_per_node=$NPROC train.py $*"
+    echo "node 0 runs: $PYTHON -m torch.distributed.run --standalone --nproc_per_node=$NPROC" \
+         "--signals_to_handle=SIGINT,SIGHUP,SIGQUIT train.py $*"
   fi
   echo "validation (train.py --dry_run=True):"
   echo "$PLAN" | grep -v '^LAUNCH' | sed 's/^/  /'
@@ -195,7 +244,10 @@ fi
 case "$MODE" in
   local)
     echo "launch.sh: local mode, $NPROC rank(s), $NGPU GPU(s)" >&2
-    exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train.py "$@"
+    rc=0
+    run_ranks "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+      --signals_to_handle=SIGINT,SIGHUP,SIGQUIT train.py "$@" || rc=$?
+    exit "$rc"
     ;;
   slurm)
     if [ -z "${SLURM_JOB_ID:-}" ]; then  # not in an allocation yet: submit this script for the config's nodes
@@ -205,6 +257,7 @@ case "$MODE" in
       # allocation and starts the step. --export=ALL: this environment goes with the job (whatever a site's
       # SBATCH_EXPORT says), and nothing in it can make the batch script a node.
       exec sbatch --job-name=seismic-mae --nodes="$NODES" --ntasks-per-node=1$(slurm_gpu_flag "") --exclusive \
+        $([ "${REQUEUE:-0}" = 1 ] && echo --requeue) \
         --chdir="$ROOT" --output="$LOG_DIR/%x_%j.out" --export=ALL <<EOF
 #!/bin/bash
 exec env PYTHON=$(printf '%q' "$PYTHON") bash $(printf '%q' "$ROOT/launch.sh") $(printf '%q ' "$@")
@@ -218,7 +271,25 @@ EOF
     if [ "$IN_STEP" = 1 ]; then  # the interactive step's own task layout must not become the new step's
       unset SLURM_NTASKS SLURM_NPROCS SLURM_CPUS_PER_TASK SLURM_TRES_PER_TASK SLURM_NTASKS_PER_NODE
     fi
-    eval "exec $(srun_cmd "$@")"
+    rm -f "$OUT_DIR/STOPPED"
+    # srun in the foreground: a SIGTERM (preemption) reaches it directly and it passes it to the step; this shell
+    # only waits (a trapped signal runs after srun returns), so the job lives until the ranks have checkpointed
+    trap ':' TERM USR1
+    rc=0
+    eval "$(srun_cmd "$@")" || rc=$?
+    if [ -s "$OUT_DIR/STOPPED" ]; then
+      echo "launch.sh: $(cat "$OUT_DIR/STOPPED")" >&2
+      if [ "${REQUEUE:-0}" = 1 ] && [ "$IN_STEP" = 0 ] && [ "${SLURM_JOB_ID:-}" ]; then
+        echo "launch.sh: REQUEUE=1: requeueing job $SLURM_JOB_ID; it resumes from that checkpoint when it starts again" >&2
+        scontrol requeue "$SLURM_JOB_ID"
+      fi
+      exit 75
+    fi
+    if [ "$rc" -ne 0 ]; then  # each node's log ends with its first error line (run_ranks): repeat the first
+      first=$(grep -h -m1 '^error:' "$LOG_DIR"/node_*.log 2>/dev/null | sed -n 1p || true)
+      echo "${first:-error: the step failed (srun exit $rc); per-node logs: $LOG_DIR/node_*.log}" >&2
+    fi
+    exit "$rc"
     ;;
   node)
     if [ -z "${HEAD:-}" ]; then  # under SLURM: the head is the first host of the (possibly replaced) node list,
@@ -230,7 +301,9 @@ EOF
       HEAD=${HEAD:-$first}
     fi
     echo "launch.sh: node ${SLURM_NODEID:-${NODE_RANK:-?}} of $NODES, head $HEAD:$PORT, $NPROC rank(s)" >&2
-    eval "exec $(node_cmd "$HEAD" "$@")"
+    rc=0
+    eval "run_ranks $(node_cmd "$HEAD" "$@")" || rc=$?
+    exit "$rc"
     ;;
   hostfile)
     mapfile -t HOSTS < <(grep -v '^\s*#' "$HOSTFILE" | grep -v '^\s*$')

@@ -23,6 +23,7 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
 
 import torch
@@ -90,12 +91,14 @@ log_interval = 10  # steps between log lines
 ckpt_interval = 100  # steps between checkpoints (one is also written at the end)
 keep_ckpts = 2  # complete checkpoints kept; keep >= 2: the newest may be mid-write when a job dies
 resume = True  # continue from the newest complete checkpoint in out_dir, if any
+ckpt_write_gbps = 2.0  # out_dir's write bandwidth, GB/s: the planner's checkpoint time (and stop_lead_s's)
 stop_step = 0  # > 0: stop after this step as if interrupted (checkpoint, exit); tests use it
 seed = 0  # data, mask and init randomness
 gpu_peak_flops = 989e12  # dense bf16 FLOP/s of one GPU for MFU (H100/H200 SXM)
 # the cluster (launch.sh and the planner read these)
 nodes = 1  # nodes the job runs on
 gpus_per_node = 0  # ranks per node; 0 = every GPU of the machine (or NPROC / 2 CPU ranks without GPU)
+stop_lead_s = 0  # SLURM sends SIGUSR1 this long before the time limit: a checkpoint, exit 75; 0 = the planner's
 dry_run = False  # validate and plan for nodes x gpus_per_node, print, exit (DRY_RUN=1 bash launch.sh ...)
 
 CONFIG_KEYS = [k for k, v in list(globals().items())
@@ -147,6 +150,7 @@ def validate(cfg):
             except ValueError as e:
                 raise configurator.ConfigError(f"model_size {cfg['model_size']!r} with cp={cp}: {e}") from None
     need(0.0 <= cfg["min_live"] <= 1.0, f"min_live must be in [0, 1], got {cfg['min_live']}")
+    need(cfg["ckpt_write_gbps"] > 0 and cfg["stop_lead_s"] >= 0, "ckpt_write_gbps must be > 0 and stop_lead_s >= 0")
     for key in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval", "keep_ckpts", "in_flight",
                 "prefetch", "zero_bucket", "zero3_max_live"):
         need(cfg[key] >= 1, f"{key} must be >= 1, got {cfg[key]}")
@@ -297,16 +301,20 @@ def micro_batches(job, start, end, depth=None):
                            prepare=lambda x, ids: prepare_batch(job, x, ids))
 
 
-def train_step(job, step, batches):
-    """One optimizer step: grad_accum micro steps. `batches` yields prepared (x, ids_keep) micro batches.
+def train_step(job, step, batches, stop=0.0):
+    """One optimizer step: grad_accum micro steps. `batches` yields prepared (x, ids_keep) micro batches; `stop`:
+    this rank's stop flag (checkpoint.StopRequest), summed over the ranks in the loss's all-reduce.
     Returns (mean loss over the whole job as a 1-element device tensor: reading it is a host sync, which the
-    loop does only every log_interval steps; lr; seconds the training thread waited for data)."""
+    loop does only every log_interval steps; lr; seconds the training thread waited for data; the summed stop
+    flags, a 1-element device tensor)."""
     cfg, engine = job.cfg, job.engine
     lr = get_lr(step, job.peak_lr, cfg)
     for group in job.optimizer.param_groups:  # ZeRO wraps this optimizer; its groups stay the ones it steps
         group["lr"] = lr
     # on the device: NCCL reduces only CUDA tensors
-    step_loss, wait = torch.zeros(1, device=job.device), 0.0
+    acc, wait = torch.zeros(2, device=job.device), 0.0  # [loss, stop flag]: one all-reduce carries both
+    if stop:
+        acc[1] = stop  # (a fill on the device: no host sync)
     for micro in range(cfg["grad_accum"]):
         t0 = time.time()
         x, ids_keep = next(batches)  # (micro_batch, 1, crop[0] / cp, crop[1], crop[2]) in the compute dtype
@@ -315,12 +323,12 @@ def train_step(job, step, batches):
         x, ids_keep = x.to(job.device, non_blocking=True), ids_keep.to(job.device, non_blocking=True)
         wait += time.time() - t0
         loss, _, _ = engine(x, ids_keep=ids_keep)
-        step_loss += loss.detach().float() / cfg["grad_accum"]
+        acc[0] += loss.detach().float() / cfg["grad_accum"]
         engine.backward(loss * job.cp)  # see the docstring: x cp, then ZeRO averages over the world
         engine.step()  # DeepSpeed steps the optimizer at the last micro step only
     # every rank learns the mean loss: the sum over a CP group is the sample's loss, then mean over dp
-    torch.distributed.all_reduce(step_loss)
-    return step_loss / job.dp_size, lr, wait
+    torch.distributed.all_reduce(acc)
+    return acc[:1] / job.dp_size, lr, wait, acc[1:]
 
 
 def check_launch(cfg):
@@ -330,6 +338,7 @@ def check_launch(cfg):
     gpn = cfg["gpus_per_node"] or torch.cuda.device_count() or int(os.environ.get("NPROC", "2"))
     world, cp = cfg["nodes"] * gpn, cfg["cp"]
     print(f"LAUNCH nodes={cfg['nodes']} gpus_per_node={gpn} world={world} config_gpus={cfg['gpus_per_node']}")
+    print(f"LAUNCH_OUT_DIR={cfg['out_dir']}")  # where launch.sh looks for STOPPED after the ranks exit
     allocated = os.environ.get("SLURM_JOB_NUM_NODES")
     if allocated and cfg["nodes"] > int(allocated):
         raise configurator.ConfigError(f"the config asks for nodes={cfg['nodes']} but this SLURM allocation has "
@@ -361,6 +370,12 @@ def check_launch(cfg):
     print(f"memory per GPU ({cfg['strategy']}, grad_ckpt={cfg['grad_ckpt']}): {p['mem_per_gpu_gb']:.1f} GB of "
           f"{p['limit_gb']} GB usable (activations {p['activations_gb']:.1f} GB) -> "
           f"{'fits' if p['fits'] else 'DOES NOT FIT'}")
+    lead = cfg["stop_lead_s"] or p["stop_lead_s"]
+    print(f"stop: under SLURM, SIGUSR1 {lead} s before the time limit -> checkpoint, exit {checkpoint.RESUMABLE}"
+          f"{' (stop_lead_s)' if cfg['stop_lead_s'] else ''}; the planner's need: 60 s + 1.5 x (2 steps of "
+          f"{p['step_s']:.1f} s + an evaluation of {p['eval_s']:.1f} s + a {p['ckpt_gb']:.1f} GB checkpoint in "
+          f"{p['ckpt_s']:.1f} s at {cfg['ckpt_write_gbps']} GB/s) = {p['stop_lead_s']} s")
+    print(f"LAUNCH_STOP_LEAD_S={lead}")
     if not p["fits"] and (torch.cuda.is_available() or os.environ.get("DRY_RUN") == "1"):
         raise configurator.ConfigError(
             f"does not fit in GPU memory: the planner needs {p['mem_per_gpu_gb']:.1f} GB per GPU under "
@@ -369,7 +384,9 @@ def check_launch(cfg):
     return 0
 
 
-def main(argv):
+def main(argv, stop=None):
+    """The run; `stop`: a checkpoint.StopRequest (cli installs it: SIGTERM / SIGUSR1 stop at a step boundary with a
+    checkpoint, and main then returns checkpoint.RESUMABLE)."""
     cfg = {k: globals()[k] for k in CONFIG_KEYS}
     configurator.apply(cfg, argv)
     validate(cfg)
@@ -399,6 +416,8 @@ def main(argv):
 
     # ---- the training loop. The prefetcher reads the next micro batches in threads while we compute.
     os.makedirs(cfg["out_dir"], exist_ok=True)
+    if rank == 0 and os.path.exists(os.path.join(cfg["out_dir"], "STOPPED")):
+        os.remove(os.path.join(cfg["out_dir"], "STOPPED"))  # an earlier stop's: this run is going on from it
     log_file = open(os.path.join(cfg["out_dir"], "log.jsonl"), "a") if rank == 0 else None
     tb = (importlib.import_module("torch.utils.tensorboard").SummaryWriter(os.path.join(cfg["out_dir"], "tb"))
           if cfg["tensorboard"] and rank == 0 else None)
@@ -445,19 +464,23 @@ def main(argv):
         eval_time += time.time() - t0
         t_last += time.time() - t0  # the next log line's ms/step and samples/s are training's alone
 
+    stopped = None  # the signal that stopped the run, if one did
     try:
+        if stop:
+            stop.armed = True  # from here a stop signal is a checkpoint at the next step boundary (checkpoint.py)
         if start == 0:
             validate_at(0)  # the untrained model: where the curve starts
         for step in range(start, end):
             t_step = time.time()
-            step_loss, lr, wait = train_step(job, step, batches)
+            step_loss, lr, wait, stop_flags = train_step(job, step, batches, stop.local() if stop else 0.0)
             # (step_s in log.jsonl: host time; on GPU, without a sync per step, the time to queue the step's work.
             # The log line's ms/step spans a read-back, a sync, so it is the device's time too.)
             pending.append((step, step_loss, lr, time.time() - t_step, wait))
             data_time += wait
             steps_since += 1
-            ckpt_now = (step + 1) % cfg["ckpt_interval"] == 0 or step + 1 == end
-            if step % cfg["log_interval"] == 0 or step == end - 1:
+            stop_now = stop is not None and stop.agreed(stop_flags)  # the same answer on every rank
+            ckpt_now = (step + 1) % cfg["ckpt_interval"] == 0 or step + 1 == end or stop_now
+            if step % cfg["log_interval"] == 0 or step == end - 1 or stop_now:
                 loss_now = read_back()
                 dt = (time.time() - t_last) / steps_since
                 sps = job.global_batch / dt
@@ -480,32 +503,67 @@ def main(argv):
                                                             "samples_seen": (step + 1) * job.global_batch},
                                 cfg["keep_ckpts"], rank)
                 log(f"checkpoint step_{step + 1:07d} written to {ckpt_dir}")
+                # a signal that arrived during the write stops here, at this checkpoint
+                stop_now = stop_now or (stop is not None and step + 1 < end and stop.agree_now(job.device))
+            if stop_now:
+                stopped = stop.signal or "a stop signal on another rank"
+                break
         read_back()
         wall = time.time() - t_run
         if job.val_sampler is not None:
             log(f"evaluation took {eval_time:.1f} s of the loop's {wall:.1f} s ({100 * eval_time / wall:.1f}%)")
     finally:
+        if stop and not stopped:
+            stop.armed = False  # the end (or an error): a signal now just ends the process. (After a stop it stays
+            # armed, so that a repeat of the signal cannot kill a rank before STOPPED is written.)
         batches.close()
         job.sampler.close()
         if job.val_sampler is not None:
             job.val_sampler.close()
         if tb:
             tb.close()
+    if stopped and step + 1 < cfg["max_steps"]:  # (a stop at the last step is just the end of the run)
+        msg = (f"stopped by {stopped} after {step + 1} steps: checkpoint {ckpt_dir}/step_{step + 1:07d} is complete; "
+               f"run the same command again to continue (exit code {checkpoint.RESUMABLE}: stopped, resumable)")
+        if rank == 0:
+            checkpoint.write_stopped(cfg["out_dir"], msg)
+        log(msg)
+        torch.distributed.barrier()  # no rank (no node's launch.sh) ends before STOPPED exists
+        return checkpoint.RESUMABLE
     return 0
 
 
 def cli(argv):
-    """`python train.py ...`: main(), with bad input or a diverged run as one clear line and an exit code."""
+    """`python train.py ...`: main(), with bad input or a diverged run as one clear line and an exit code: 0 done,
+    2 bad input, 3 diverged, checkpoint.RESUMABLE (75) stopped by a signal at a complete checkpoint.
+    Under launch.sh (MAE_ERROR_FILE set), each failing rank also appends its first line there, so that
+    launch.sh can end with the first rank's reason rather than with torchrun's traceback."""
+    rank = os.environ.get("RANK", "0")
+    stop = checkpoint.StopRequest() if threading.current_thread() is threading.main_thread() else None
     try:
-        rc = main(argv)
+        rc = main(argv, stop)
     except (configurator.ConfigError, data.DataError, FloatingPointError) as e:
         # bad input or a diverged run: one clear line, non-zero exit, nothing half-written
-        if os.environ.get("RANK", "0") == "0":
+        if rank == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
+        note_error(f"error: {e}" if rank == "0" else f"error: (rank {rank}) {e}")
         rc = 2 if not isinstance(e, FloatingPointError) else 3
+    except Exception as e:  # a bug, or a failure of a peer: the traceback follows; launch.sh names the first
+        note_error(f"error: (rank {rank}) {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        raise
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if rc == checkpoint.RESUMABLE and os.environ.get("MAE_LAUNCHER") == "launch.sh":
+        rc = 0  # launch.sh finds STOPPED and exits 75 itself; a non-zero rank would make torchrun report a failure
     return rc
+
+
+def note_error(line):
+    """One line appended to launch.sh's MAE_ERROR_FILE (O_APPEND: the ranks' lines do not interleave)."""
+    path = os.environ.get("MAE_ERROR_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write(line.replace("\n", " ") + "\n")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
 
 MAE_FAULT=die_in_checkpoint:STEP:RANK   that rank dies (exit 17) right after its checkpoint shard for STEP is
                                         written, before the checkpoint is marked complete: a node lost mid-write.
+MAE_FAULT=signal_in_checkpoint:STEP:RANK:SIG   that rank sends itself SIG (TERM, USR1) as its checkpoint shard for
+                                        STEP starts being written: a stop signal that arrives mid-write.
 MAE_PROBE=DIR                           every forward appends to DIR/rank<R>.jsonl what reached the model: the
                                         batch's dtype and the kept token ids (after any strategy's input cast).
 MAE_MASTERS=FILE                        after setup, FILE (rank 0) gets the parameters whose fp32 master copy in
@@ -16,6 +18,7 @@ MAE_PROFILE=FILE                        step 2 runs under the CPU profiler; FILE
 """
 import json
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,7 +29,7 @@ import model  # noqa: E402
 import train  # noqa: E402
 
 fault = os.environ.get("MAE_FAULT", "").split(":")
-if fault[0] == "die_in_checkpoint":
+if fault[0] in ("die_in_checkpoint", "signal_in_checkpoint"):
     die_step, die_rank = int(fault[1]), int(fault[2])
     real_setup = train.setup
 
@@ -35,8 +38,11 @@ if fault[0] == "die_in_checkpoint":
         real_save = job.engine.save_checkpoint
 
         def save_checkpoint(ckpt_dir, tag, client_state):
+            hit = client_state["step"] == die_step and job.rank == die_rank
+            if hit and fault[0] == "signal_in_checkpoint":
+                os.kill(os.getpid(), getattr(signal, "SIG" + fault[3]))  # handled before the write below begins
             out = real_save(ckpt_dir, tag=tag, client_state=client_state)
-            if client_state["step"] == die_step and job.rank == die_rank:
+            if hit and fault[0] == "die_in_checkpoint":
                 os._exit(17)
             return out
         job.engine.save_checkpoint = save_checkpoint
@@ -77,13 +83,13 @@ if profile_to:
     from torch.profiler import ProfilerActivity, profile, record_function
     real_step = train.train_step
 
-    def train_step(job, step, batches):
+    def train_step(job, step, batches, *a):
         if step != 2:
-            return real_step(job, step, batches)
+            return real_step(job, step, batches, *a)
         c = job.cfg
         shape = [c["micro_batch"], 1, c["crop"][0] // job.cp, c["crop"][1], c["crop"][2]]
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            out = real_step(job, step, batches)
+            out = real_step(job, step, batches, *a)
             with record_function("control"):
                 torch.randn(shape).to(torch.bfloat16)
         events = prof.events()

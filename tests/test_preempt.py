@@ -1,0 +1,147 @@
+"""Stop signals (checkpoint.StopRequest, launch.sh): SIGTERM or SIGUSR1 mid-run becomes a complete checkpoint at
+the step where the run stopped and exit code 75; the relaunch continues on the uninterrupted run's trajectory.
+And when ranks fail, launch.sh's last line is the first rank's `error:` line."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import checkpoint
+from conftest import ROOT, job_env, read_log, read_val, run_train, small_args
+
+# 40 steps of 2 micro steps; no checkpoint but the end's unless a stop asks for one; validation every 10 steps
+ARGS = dict(max_steps=40, grad_accum=2, ckpt_interval=1000, eval_interval=10)
+
+
+def launch_env(**extra):
+    return job_env(PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], NPROC="2", **extra)
+
+
+def launch_args(store, out_dir, **kw):
+    return ["config/quickstart.py", *small_args(store, out_dir, **{**ARGS, **kw}), "--make_synthetic=False"]
+
+
+@pytest.fixture(scope="module")
+def reference(small_store, tmp_path_factory):
+    """The uninterrupted 2-rank run (plain torchrun): its training records and validation losses."""
+    d = tmp_path_factory.mktemp("uninterrupted")
+    r = run_train(launch_args(small_store, d), nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return read_log(d), dict(read_val(d))
+
+
+def same_trajectory(reference, out_dir):
+    """Every step's last record (steps logged twice: before a stop and after the resume) equals the reference."""
+    ref_log, ref_val = reference
+    got = {r["step"]: r for r in read_log(out_dir)}
+    assert sorted(got) == [r["step"] for r in ref_log]
+    for a in ref_log:
+        b = got[a["step"]]
+        assert a["lr"] == b["lr"] and abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a, b)
+    val = dict(read_val(out_dir))
+    assert sorted(val) == sorted(ref_val) == [0, 10, 20, 30, 40]
+    for k in ref_val:
+        assert abs(val[k] - ref_val[k]) <= 1e-6 * abs(ref_val[k]), (k, val, ref_val)
+
+
+def run_until_steps(store, out_dir, n):
+    """Start `bash launch.sh` (own session, output in out_dir.log) and return it once log.jsonl has n steps."""
+    out = open(f"{out_dir}.log", "w")
+    p = subprocess.Popen(["bash", "launch.sh", *launch_args(store, out_dir)], cwd=ROOT, env=launch_env(),
+                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and p.poll() is None:
+        if os.path.exists(out_dir / "log.jsonl") and len(read_log(out_dir)) >= n:
+            return p
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach {n} steps: {open(f'{out_dir}.log').read()[-3000:]}")
+
+
+def job_processes(out_dir):
+    """The pids of every process of the job: launch.sh, torchrun, the ranks (their command lines name out_dir)."""
+    r = subprocess.run(["pgrep", "-f", "--", f"--out_dir={out_dir}( |$)"], capture_output=True, text=True)
+    return [int(x) for x in r.stdout.split()]
+
+
+def check_stopped(p, out_dir, sig):
+    """The run stopped cleanly: exit 75, the reason last, one complete checkpoint at the stop step, STOPPED."""
+    rc = p.wait(timeout=120)
+    out = open(f"{out_dir}.log").read()
+    assert rc == checkpoint.RESUMABLE, out[-3000:]
+    done = checkpoint.complete_checkpoints(str(out_dir / "ckpt"))
+    steps = [r["step"] for r in read_log(out_dir)]
+    n = steps[-1] + 1  # steps done
+    assert [s for s, _ in done] == [n] and 0 < n < ARGS["max_steps"], (done, steps)  # not a multiple of 1000
+    last = out.strip().splitlines()[-1]
+    assert last == (f"launch.sh: stopped by {sig} after {n} steps: checkpoint {out_dir}/ckpt/step_{n:07d} is "
+                    f"complete; run the same command again to continue (exit code 75: stopped, resumable)"), last
+    assert (out_dir / "STOPPED").read_text().strip() == last[len("launch.sh: "):]
+    assert "Traceback" not in out and "FAILED" not in out, out[-3000:]  # torchrun saw the ranks end normally
+    return n
+
+
+def resume_to_the_end(store, out_dir, n):
+    r = subprocess.run(["bash", "launch.sh", *launch_args(store, out_dir)], cwd=ROOT, env=launch_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {out_dir}/ckpt/step_{n:07d} (step {n})" in r.stdout, r.stdout[-2000:]
+    assert not (out_dir / "STOPPED").exists()
+
+
+def test_sigterm_to_launch_sh_checkpoints_where_it_stopped_and_the_relaunch_continues_exactly(
+        small_store, tmp_path, reference):
+    d = tmp_path / "run"
+    p = run_until_steps(small_store, d, 5)
+    os.kill(p.pid, signal.SIGTERM)  # launch.sh forwards it to the ranks
+    n = check_stopped(p, d, "SIGTERM")
+    resume_to_the_end(small_store, d, n)
+    same_trajectory(reference, d)
+
+
+def test_sigusr1_to_every_process_of_the_job_as_slurm_sends_it(small_store, tmp_path, reference):
+    """SLURM signals every process of a step (proctrack): launch.sh, torchrun and each rank get SIGUSR1, and the
+    ranks get it once more from launch.sh. One stop, one checkpoint."""
+    d = tmp_path / "run"
+    p = run_until_steps(small_store, d, 5)
+    pids = job_processes(d)
+    assert p.pid in pids and len(pids) >= 4, pids  # launch.sh, torchrun, 2 ranks
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)
+    n = check_stopped(p, d, "SIGUSR1")
+    resume_to_the_end(small_store, d, n)
+    same_trajectory(reference, d)
+
+
+def test_a_signal_during_a_checkpoint_write_finishes_it_and_stops_there(small_store, tmp_path, reference):
+    """Rank 1 gets SIGTERM as it starts writing checkpoint 12 (an interval checkpoint); rank 0 gets none. The write
+    completes, the ranks agree right after it, and stop there: checkpoint 12 is the stop's, no step 13 is run. Here
+    under plain torchrun (no launch.sh): the ranks themselves exit 75, which torchrun reports."""
+    d = tmp_path / "run"
+    args = launch_args(small_store, d, ckpt_interval=12)
+    r = run_train(args, nproc=2, script="tests/train_hooks.py",
+                  env=job_env(MAE_FAULT="signal_in_checkpoint:12:1:TERM"))
+    assert r.returncode != 0 and "exitcode  : 75" in r.stderr, r.stderr[-3000:]
+    assert "rank 1: SIGTERM received" in r.stderr, r.stderr[-3000:]
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(d / "ckpt"))] == [12]
+    assert [x["step"] for x in read_log(d)] == list(range(12))
+    assert (d / "STOPPED").read_text().startswith("stopped by a stop signal on another rank after 12 steps")
+    rest = run_train(args, nproc=2)
+    assert rest.returncode == 0 and "(step 12)" in rest.stdout, rest.stderr[-3000:]
+    same_trajectory(reference, d)
+
+
+def test_a_rank_failing_after_the_pre_flight_ends_launch_sh_with_its_error_line(small_store, tmp_path):
+    """A store that does not exist is found by the ranks, not by the pre-flight (which opens no data): the last line
+    of launch.sh's output is the rank's error, not torchrun's traceback."""
+    missing = str(tmp_path / "nowhere.mdio")
+    args = ["config/quickstart.py", *small_args(small_store, tmp_path / "run", data_paths=[missing]),
+            "--make_synthetic=False"]
+    r = subprocess.run(["bash", "launch.sh", *args], cwd=ROOT, env=launch_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0
+    assert "Traceback" in r.stderr or "FAILED" in r.stderr or "error:" in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "nowhere.mdio" in last, r.stderr[-3000:]
