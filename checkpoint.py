@@ -286,8 +286,9 @@ class StopRequest:
             return
         if self.signal is None:
             self.signal = signal.Signals(signum).name
-            os.write(2, f"rank {os.environ.get('RANK', '0')}: {self.signal} received: stopping at the next step boundary "
-                        f"with a checkpoint\n".encode())  # (os.write: print() inside a handler may re-enter its lock)
+            rank = os.environ.get("RANK", "0")  # (os.write: a print() inside a handler may re-enter its lock)
+            os.write(2, f"rank {rank}: {self.signal} received: stopping at the next step boundary with a "
+                        f"checkpoint\n".encode())
 
     def local(self):
         """This rank's flag, for the step's all-reduce: 1.0 once a stop signal arrived."""

@@ -28,7 +28,8 @@
 # makes the ranks write a checkpoint at the next step boundary and exit; this script then ends with the line of
 # out_dir/STOPPED and exit code 75 ("stopped, resumable": run the same command again to continue). Under SLURM
 # the step asks for SIGUSR1 stop_lead_s before the time limit (srun --signal; the dry run prints the planner's
-# lead), and REQUEUE=1 makes a job that stopped so requeue itself (scontrol requeue) to go on in a new allocation.
+# lead), and REQUEUE=1 makes a job stopped by that warning requeue itself (scontrol requeue) to go on in a new
+# allocation (a SIGTERM stop, from scancel or preemption, never requeues from here).
 # When the ranks fail, the last line repeats the first `error:` line any rank printed (the cause, not the
 # traceback of a rank that lost its peer).
 #
@@ -195,6 +196,14 @@ slurm_gpu_flag() {  # $1 = node list or empty, as above
   if [ "$n" -gt 0 ]; then echo " --gpus-per-node=$([ "$CONFIG_GPUS" -gt 0 ] && echo "$CONFIG_GPUS" || echo "$n")"; fi
 }
 
+# the job launch.sh submits (slurm mode, outside an allocation). --signal without B: every step of the job, not the
+# batch shell (which waits for srun), gets SIGUSR1 stop_lead_s before the time limit: the ranks checkpoint and
+# stop. (srun's own --signal applies only to an allocation srun makes itself: inside one it is ignored.)
+sbatch_flags() {
+  echo "--job-name=seismic-mae --nodes=$NODES --ntasks-per-node=1$(slurm_gpu_flag "") --exclusive" \
+       "--signal=USR1@$STOP_LEAD$([ "${REQUEUE:-0}" = 1 ] && echo ' --requeue')"
+}
+
 # the one step that starts one node per host of the allocation (slurm mode)
 srun_cmd() {  # train.py's arguments
   local extra=""
@@ -209,8 +218,6 @@ srun_cmd() {  # train.py's arguments
   # where a task plugin binds at all (task/affinity, task/cgroup); with task/none srun would warn about it.
   local tp; tp=$(scontrol show config 2>/dev/null | sed -n 's/^TaskPlugin *= *//p')  # (sed reads all: no SIGPIPE)
   if [[ "$tp" == *affinity* || "$tp" == *cgroup* ]]; then extra+=" --cpu-bind=none"; fi
-  # SLURM's warning before the time limit, to every process of the step (the ranks stop with a checkpoint)
-  extra+=" --signal=USR1@$STOP_LEAD"
   # one task per node, each node's output in its own log (%t = node index within the step); --ntasks explicitly:
   # srun would otherwise take the enclosing step's or salloc's SLURM_NTASKS as its own
   echo "srun$extra --nodes=$NODES --ntasks=$NODES --ntasks-per-node=1 --kill-on-bad-exit=1" \
@@ -224,6 +231,9 @@ if [ "${DRY_RUN:-0}" = "1" ]; then
        "$([ "$MODE" = local ] && [ "$NODES" -gt 1 ] && echo '(no SLURM or HOSTFILE here; on the cluster: slurm)')"
   echo "environment:"
   env | grep -E '^(FI_|NCCL_|TORCH_NCCL|TORCH_FR|PYTORCH_CUDA|DS_ACCELERATOR|OMP_NUM_THREADS)' | sort | sed 's/^/  /'
+  if [ "$MODE" = slurm ] && [ -z "${SLURM_JOB_ID:-}" ] || { [ "$MODE" = local ] && [ "$NODES" -gt 1 ]; }; then
+    echo "submits: sbatch $(sbatch_flags) --export=ALL (the job runs this script again, in the allocation)"
+  fi
   if [ "$MODE" = slurm ]; then
     echo "in the allocation: $(srun_cmd "$@")"
   fi
@@ -256,11 +266,10 @@ case "$MODE" in
       # reads the quoting) that runs `bash /abs/path/launch.sh ...` in the repository; it finds itself in the
       # allocation and starts the step. --export=ALL: this environment goes with the job (whatever a site's
       # SBATCH_EXPORT says), and nothing in it can make the batch script a node.
-      exec sbatch --job-name=seismic-mae --nodes="$NODES" --ntasks-per-node=1$(slurm_gpu_flag "") --exclusive \
-        $([ "${REQUEUE:-0}" = 1 ] && echo --requeue) \
-        --chdir="$ROOT" --output="$LOG_DIR/%x_%j.out" --export=ALL <<EOF
+      # shellcheck disable=SC2046  # sbatch_flags: words
+      exec sbatch $(sbatch_flags) --chdir="$ROOT" --output="$LOG_DIR/%x_%j.out" --export=ALL <<EOF
 #!/bin/bash
-exec env PYTHON=$(printf '%q' "$PYTHON") bash $(printf '%q' "$ROOT/launch.sh") $(printf '%q ' "$@")
+exec env PYTHON=$(printf '%q' "$PYTHON") MAE_SUBMITTED=1 bash $(printf '%q' "$ROOT/launch.sh") $(printf '%q ' "$@")
 EOF
     fi
     if [ "${SLURM_JOB_NUM_NODES:-1}" -lt "$NODES" ]; then
@@ -272,6 +281,10 @@ EOF
       unset SLURM_NTASKS SLURM_NPROCS SLURM_CPUS_PER_TASK SLURM_TRES_PER_TASK SLURM_NTASKS_PER_NODE
     fi
     rm -f "$OUT_DIR/STOPPED"
+    if [ "${MAE_SUBMITTED:-0}" != 1 ]; then
+      echo "launch.sh: in an allocation of your own: its time-limit warning is yours to ask for (sbatch or salloc" \
+           "--signal=USR1@$STOP_LEAD), else the ranks get only SLURM's SIGTERM at the limit (KillWait to checkpoint)" >&2
+    fi
     # srun in the foreground: a SIGTERM (preemption) reaches it directly and it passes it to the step; this shell
     # only waits (a trapped signal runs after srun returns), so the job lives until the ranks have checkpointed
     trap ':' TERM USR1
@@ -279,7 +292,9 @@ EOF
     eval "$(srun_cmd "$@")" || rc=$?
     if [ -s "$OUT_DIR/STOPPED" ]; then
       echo "launch.sh: $(cat "$OUT_DIR/STOPPED")" >&2
-      if [ "${REQUEUE:-0}" = 1 ] && [ "$IN_STEP" = 0 ] && [ "${SLURM_JOB_ID:-}" ]; then
+      # requeue after the time-limit warning only: a SIGTERM (scancel, preemption, the limit itself) is not a
+      # request to go on (and SLURM requeues preempted jobs itself where PreemptMode=REQUEUE)
+      if [ "${REQUEUE:-0}" = 1 ] && [ "$IN_STEP" = 0 ] && grep -q '^stopped by SIGUSR1 after' "$OUT_DIR/STOPPED"; then
         echo "launch.sh: REQUEUE=1: requeueing job $SLURM_JOB_ID; it resumes from that checkpoint when it starts again" >&2
         scontrol requeue "$SLURM_JOB_ID"
       fi

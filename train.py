@@ -505,8 +505,10 @@ def main(argv, stop=None):
                 log(f"checkpoint step_{step + 1:07d} written to {ckpt_dir}")
                 # a signal that arrived during the write stops here, at this checkpoint
                 stop_now = stop_now or (stop is not None and step + 1 < end and stop.agree_now(job.device))
-            if stop_now:
-                stopped = stop.signal or "a stop signal on another rank"
+            if stop_now:  # which signals the ranks got (once, at the stop): launch.sh requeues only after SIGUSR1
+                names = [None] * world
+                torch.distributed.all_gather_object(names, stop.signal)
+                stopped = " and ".join(sorted({n for n in names if n}))
                 break
         read_back()
         wall = time.time() - t_run

@@ -81,6 +81,7 @@ class Cluster:
             open(os.path.join(d, f"gpu{i}"), "a").close()
         with open(os.path.join(d, "gres.conf"), "w") as f:
             f.write(f"NodeName=n[1-2] Name=gpu File={d}/gpu[0-{self.gpus - 1}]\n" if self.gpus else "")
+        # cred_expire=10 (AuthInfo): a requeued job may start again 10 s after it ended, not SLURM's default 120
         # proctrack/linuxproc + task/none: no cgroups needed (containers rarely allow them); the tasks of a
         # step are tracked through their parent process ids, which is what scancel relies on here
         conf = f"""\
@@ -91,7 +92,7 @@ SlurmctldPort={ctl}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={d}/munge/munge.sock
+AuthInfo=socket={d}/munge/munge.sock,cred_expire=10
 CredType=cred/munge
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool/%n

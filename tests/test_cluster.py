@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from conftest import ROOT, job_env, read_log, small_args
+import checkpoint
 import cluster_util
+from conftest import ROOT, job_env, read_log, small_args
 
 STEPS = 6
 VENV_BIN = os.path.dirname(sys.executable)  # the README's venv under CI: launch.sh must find it on PATH alone
@@ -237,3 +238,52 @@ def test_hostfile_over_real_ssh_follows_one_node(sshd, common, one_node, tmp_pat
     assert open(sshd.log).read().count("Accepted publickey") == before + 1  # node 1 came in over ssh
     assert "head 127.0.0.1:29656" in (tmp_path / "logs" / "node_1.log").read_text()
     _assert_follows(one_node, tmp_path / "out")
+
+
+def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(slurm, small_store, tmp_path):
+    """The job's --signal=USR1@stop_lead_s (sbatch's, from launch.sh) reaches the ranks before the time limit: they
+    write a checkpoint at the step they are in and exit 75; with REQUEUE=1 the batch script requeues the job, which
+    resumes from it. The limit is brought near while the job trains (scontrol update TimeLimit=2 with a 100 s lead:
+    SLURM sends the warning at its next time-limit check), then moved away again for the requeued run. scancel then
+    stops that one with SIGTERM: a checkpoint again, but no requeue (the user's cancel stands)."""
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    args = small_args(small_store, out, max_steps=100000, ckpt_interval=100000, eval_interval=100000)
+    r = subprocess.run(["bash", "launch.sh", "config/quickstart.py", *args, "--make_synthetic=False", "--nodes=2",
+                        "--stop_lead_s=100"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=slurm.env(**_env(NPROC="2", LOG_DIR=str(logs), PORT="29658", REQUEUE="1",
+                                            SBATCH_TIMELIMIT="10", SBATCH_OPEN_MODE="append")))
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = re.search(r"Submitted batch job (\d+)", r.stdout).group(1)
+
+    def update(limit):
+        subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={limit}"], env=slurm.env(), check=True)
+
+    def wait_for(cond, what, timeout=240):
+        deadline = time.time() + timeout
+        while not cond():
+            assert time.time() < deadline, f"{what}: not within {timeout} s; job {slurm.job(job)}"
+            time.sleep(0.25)
+
+    try:
+        wait_for(lambda: (out / "log.jsonl").exists() and len(read_log(out)) >= 3, "training started")
+        assert slurm.job(job)["JobState"] == "RUNNING"
+        update(2)  # 120 s from the start, which is > 20 s ago: the 100 s warning is due at once
+        wait_for(lambda: (out / "STOPPED").exists(), "the ranks stopped", timeout=120)
+        wait_for(lambda: slurm.job(job).get("JobState") == "PENDING", "requeued", timeout=60)
+        update(10)  # the requeued run gets its time back (it would be warned again during its start-up)
+        stopped = (out / "STOPPED").read_text()
+        n = int(re.search(r"after (\d+) steps", stopped).group(1))
+        assert stopped.startswith(f"stopped by SIGUSR1 after {n} steps: checkpoint {out}/ckpt/step_{n:07d} is "
+                                  f"complete"), stopped
+        assert [s for s, _ in checkpoint.complete_checkpoints(str(out / "ckpt"))] == [n]
+        wait_for(lambda: "(step %d)" % n in (logs / "node_0.log").read_text(), "the requeued job resumed")
+        assert f"resumed from {out}/ckpt/step_{n:07d} (step {n})" in (logs / "node_0.log").read_text()
+        batch_out = (logs / f"seismic-mae_{job}.out").read_text()  # both runs (SBATCH_OPEN_MODE=append)
+        assert f"launch.sh: {stopped.strip()}" in batch_out, batch_out[-3000:]
+        assert f"REQUEUE=1: requeueing job {job}" in batch_out, batch_out[-3000:]
+        wait_for(lambda: read_log(out)[-1]["step"] > n, "the resumed run trains")
+    finally:
+        subprocess.run(["scancel", job], env=slurm.env())
+    state = slurm.wait_job(job, timeout=120)
+    assert state["JobState"] == "CANCELLED" and int(state.get("Restarts", "0")) == 1, state
+    assert (out / "STOPPED").read_text().startswith("stopped by SIGTERM after")  # scancel: a checkpoint too

@@ -27,6 +27,10 @@ def test_dry_run_big_context_prints_the_cluster_commands_and_the_fit():
     assert "train.py config/big_context.py" in out
     assert "FI_PROVIDER=efa" in out and "NCCL_ALGO" not in out and "NCCL_PROTO" not in out
     assert "-> fits" in out and "GB of 129.7 GB usable" in out
+    # the job launch.sh submits asks for SLURM's warning before the time limit, at the planner's lead
+    lead = re.search(r"SIGUSR1 (\d+) s before the time limit", out)
+    assert lead and int(lead.group(1)) > 60, out[-2000:]
+    assert re.search(rf"^submits: sbatch .* --signal=USR1@{lead.group(1)} ", out, re.M), out[-3000:]
 
 
 def test_slurm_mode_detection_inside_steps():
