@@ -2,7 +2,8 @@
 # The GPU session in one call: bench.py gpu-check (the ring's CUDA ops against fp64 SDPA, attention timings at
 # 102,400 tokens, the planner's memory terms against torch.cuda's allocator, bf16 zero2 vs fsdp2 on the same
 # masks, the batch's pinned non-blocking copy against the old pageable cast-and-copy, the quickstart's steps;
-# the held-out validation over NCCL: its figures need matplotlib, carried in the wheels too).
+# the held-out validation over NCCL: its figures need matplotlib, carried in the wheels too; a stop signal on
+# the GPU (the stop flag read a step late) and the relaunch against the uninterrupted run).
 #
 # The lent H200 machine has Python 3.12 and PyTorch but none of deepspeed, zarr, numcodecs, pydantic..., and
 # no internet. So the missing wheels are fetched (and deepspeed's built) here, then carried there:
