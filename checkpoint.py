@@ -290,6 +290,14 @@ class StopRequest:
             os.write(2, f"rank {rank}: {self.signal} received: stopping at the next step boundary with a "
                         f"checkpoint\n".encode())
 
+    def finished(self):
+        """The stop is complete (checkpoint and STOPPED written): further stop signals are ignored, to the end of the
+        process. A repeat can arrive late (over ssh, say); with the default action restored it would kill the rank
+        while it exits, and torchrun would report a failure (on multi-node, hold the others at its exit barrier).
+        Python's shutdown leaves an ignored signal ignored."""
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
     def local(self):
         """This rank's flag, for the step's all-reduce: 1.0 once a stop signal arrived."""
         return 1.0 if self.signal else 0.0

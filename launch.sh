@@ -328,12 +328,15 @@ EOF
     fi
     HEAD=${HOSTS[0]}
     mkdir -p "$LOG_DIR"
+    rm -f "$OUT_DIR/STOPPED"
     ARGS=$(printf '%q ' "$@")
     pids=()
     for ((i = 0; i < NODES; i++)); do
       host=${HOSTS[$i]}
-      cmd="cd $(printf '%q' "$ROOT") && env HEAD=$HEAD NODE_RANK=$i NPROC=$NPROC PORT=$PORT RDZV_ID=${RDZV_ID:-mae$$}"
-      cmd+=" PYTHON=$(printf '%q' "$PYTHON") bash $(printf '%q' "$ROOT/launch.sh") --node $ARGS"
+      # the node's first line names its launch.sh's pid there (exec keeps it), for passing stop signals on
+      cmd="cd $(printf '%q' "$ROOT") && echo \"launch.sh node pid \$\$\" && exec env HEAD=$HEAD NODE_RANK=$i NPROC=$NPROC"
+      cmd+=" PORT=$PORT RDZV_ID=${RDZV_ID:-mae$$} PYTHON=$(printf '%q' "$PYTHON") bash $(printf '%q' "$ROOT/launch.sh")"
+      cmd+=" --node $ARGS"
       # each node in its own process group (setsid), so that stopping it stops its ranks too
       if [ "$host" = "127.0.0.1" ] || [ "$host" = "localhost" ]; then
         setsid bash -c "$cmd" > "$LOG_DIR/node_$i.log" 2>&1 &
@@ -344,17 +347,43 @@ EOF
       fi
       pids+=($!)
     done
-    # the job fails as soon as one node fails: stop the others rather than let them wait in a collective.
+    # stop signals go to every node's launch.sh, which passes them to its ranks: a local node's process group,
+    # a remote one's pid over ssh (this script's ssh client is in a session of its own: a signal to it would
+    # only end the connection)
+    stop_nodes() {  # TERM | USR1
+      echo "launch.sh: SIG$1: passing it to the $NODES nodes (the ranks checkpoint after their current step)" >&2
+      for ((i = 0; i < NODES; i++)); do
+        if [ "${HOSTS[$i]}" = "127.0.0.1" ] || [ "${HOSTS[$i]}" = "localhost" ]; then
+          kill -s "$1" -- "-${all[$i]}" 2>/dev/null || true
+        else
+          rpid=$(sed -n 's/^launch.sh node pid \([0-9]*\).*/\1/p' "$LOG_DIR/node_$i.log" | sed -n 1p)
+          # shellcheck disable=SC2086  # SSH_OPTS: words
+          [ -n "$rpid" ] && ssh -o BatchMode=yes ${SSH_OPTS:-} "${HOSTS[$i]}" "kill -$1 $rpid" >/dev/null 2>&1 &
+        fi
+      done
+    }
+    all=("${pids[@]}")
+    trap 'stop_nodes TERM' TERM
+    trap 'stop_nodes USR1' USR1
+    # the job fails as soon as one node fails: stop the others rather than let them wait in a collective. (A node
+    # that stopped on a signal, exit 75, is not a failure: the others are stopping too.)
     # Poll (portable to old bash): every node that has ended is reaped with `wait PID` for its exit status.
     rc=0
     while [ "${#pids[@]}" -gt 0 ] && [ "$rc" -eq 0 ]; do
       alive=()
       for p in "${pids[@]}"; do
-        if kill -0 "$p" 2>/dev/null; then alive+=("$p"); else wait "$p" || rc=$?; fi
+        if kill -0 "$p" 2>/dev/null; then alive+=("$p"); continue; fi
+        r=0; wait "$p" || r=$?
+        if [ "$r" -ne 0 ] && [ "$r" -ne 75 ]; then rc=$r; fi  # 75: stopped on a signal, as the others will
       done
       pids=("${alive[@]+"${alive[@]}"}")
       [ "$rc" -eq 0 ] && [ "${#pids[@]}" -gt 0 ] && sleep 1
     done
+    trap - TERM USR1
+    if [ "$rc" -eq 0 ] && [ -s "$OUT_DIR/STOPPED" ]; then
+      echo "launch.sh: $(cat "$OUT_DIR/STOPPED")" >&2
+      exit 75
+    fi
     if [ "$rc" -ne 0 ]; then
       echo "error: a node failed (exit $rc); stopping the others. Per-node logs: $LOG_DIR/node_*.log" >&2
       grep -h -E "error|Error|rank" "$LOG_DIR"/node_*.log 2>/dev/null | grep -iE "fail|error" | head -5 >&2 || true

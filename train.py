@@ -531,6 +531,7 @@ def main(argv, stop=None):
             checkpoint.write_stopped(cfg["out_dir"], msg)
         log(msg)
         torch.distributed.barrier()  # no rank (no node's launch.sh) ends before STOPPED exists
+        stop.finished()
         return checkpoint.RESUMABLE
     return 0
 
