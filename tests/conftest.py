@@ -11,6 +11,14 @@ sys.path.insert(0, ROOT)
 
 import data  # noqa: E402
 
+# The venv's tools first on PATH, for every process the tests start: DeepSpeed JIT-builds a small op with the first
+# `ninja` on PATH, and two ninja versions (the venv's, from pip, and the system's) take each other's build log for a
+# changed command, so every switch between them rebuilt the op (30 s on 2 cores). Jobs started through launch.sh
+# (the venv on PATH, as the README has it) and jobs started directly alternated, and paid for it many times.
+_VENV_BIN = os.path.dirname(sys.executable)
+if not os.environ.get("PATH", "").startswith(_VENV_BIN + os.pathsep):
+    os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
+
 
 def job_env(**extra):
     # nothing of a SLURM job or a launcher setting that the tests happen to run under may leak into them
@@ -18,6 +26,7 @@ def job_env(**extra):
            if not k.startswith("SLURM_") and k not in ("MODE", "HOSTFILE", "NPROC", "HEAD", "NODE_RANK", "DRY_RUN")}
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
                 "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""})
+
     env.update(extra)
     return env
 

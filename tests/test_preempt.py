@@ -12,8 +12,8 @@ import pytest
 import checkpoint
 from conftest import ROOT, job_env, read_log, read_val, run_train, small_args
 
-# 40 steps of 2 micro steps; no checkpoint but the end's unless a stop asks for one; validation every 10 steps
-ARGS = dict(max_steps=40, grad_accum=2, ckpt_interval=1000, eval_interval=10)
+# 60 steps of 2 micro steps; no checkpoint but the end's unless a stop asks for one; validation every 10 steps
+ARGS = dict(max_steps=60, grad_accum=2, ckpt_interval=1000, eval_interval=10)
 
 
 def launch_env(**extra):
@@ -42,7 +42,7 @@ def same_trajectory(reference, out_dir):
         b = got[a["step"]]
         assert a["lr"] == b["lr"] and abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a, b)
     val = dict(read_val(out_dir))
-    assert sorted(val) == sorted(ref_val) == [0, 10, 20, 30, 40]
+    assert sorted(val) == sorted(ref_val) == list(range(0, ARGS["max_steps"] + 1, 10))
     for k in ref_val:
         assert abs(val[k] - ref_val[k]) <= 1e-6 * abs(ref_val[k]), (k, val, ref_val)
 
@@ -66,15 +66,16 @@ def job_processes(out_dir):
     return [int(x) for x in r.stdout.split()]
 
 
-def check_stopped(p, out_dir, sig):
-    """The run stopped cleanly: exit 75, the reason last, one complete checkpoint at the stop step, STOPPED."""
+def check_stopped(p, out_dir, sig, before):
+    """The run stopped cleanly: exit 75, the reason last, a complete checkpoint at the stop step (besides the
+    earlier ones, `before`: keep_ckpts is 2), STOPPED."""
     rc = p.wait(timeout=120)
     out = open(f"{out_dir}.log").read()
     assert rc == checkpoint.RESUMABLE, out[-3000:]
     done = checkpoint.complete_checkpoints(str(out_dir / "ckpt"))
     steps = [r["step"] for r in read_log(out_dir)]
     n = steps[-1] + 1  # steps done
-    assert [s for s, _ in done] == [n] and 0 < n < ARGS["max_steps"], (done, steps)  # not a multiple of 1000
+    assert [s for s, _ in done] == [*before, n] and 0 < n < ARGS["max_steps"], (done, steps)  # not multiples of 1000
     last = out.strip().splitlines()[-1]
     assert last == (f"launch.sh: stopped by {sig} after {n} steps: checkpoint {out_dir}/ckpt/step_{n:07d} is "
                     f"complete; run the same command again to continue (exit code 75: stopped, resumable)"), last
@@ -91,27 +92,24 @@ def resume_to_the_end(store, out_dir, n):
     assert not (out_dir / "STOPPED").exists()
 
 
-def test_sigterm_to_launch_sh_checkpoints_where_it_stopped_and_the_relaunch_continues_exactly(
+def test_sigterm_then_sigusr1_each_checkpoint_where_they_stop_and_the_run_ends_on_the_uninterrupted_trajectory(
         small_store, tmp_path, reference):
+    """SIGTERM to launch.sh (which forwards it to the ranks); the relaunch resumes, and then gets SIGUSR1 the way
+    SLURM sends it: to every process of the job (launch.sh, torchrun, each rank), so that the ranks get it twice
+    (from SLURM and from launch.sh). Each stop is one checkpoint at its step; the last relaunch finishes, and the
+    whole trajectory (training and validation losses) equals the uninterrupted run's."""
     d = tmp_path / "run"
     p = run_until_steps(small_store, d, 5)
-    os.kill(p.pid, signal.SIGTERM)  # launch.sh forwards it to the ranks
-    n = check_stopped(p, d, "SIGTERM")
-    resume_to_the_end(small_store, d, n)
-    same_trajectory(reference, d)
-
-
-def test_sigusr1_to_every_process_of_the_job_as_slurm_sends_it(small_store, tmp_path, reference):
-    """SLURM signals every process of a step (proctrack): launch.sh, torchrun and each rank get SIGUSR1, and the
-    ranks get it once more from launch.sh. One stop, one checkpoint."""
-    d = tmp_path / "run"
-    p = run_until_steps(small_store, d, 5)
+    os.kill(p.pid, signal.SIGTERM)
+    n = check_stopped(p, d, "SIGTERM", [])
+    p = run_until_steps(small_store, d, n + 5)  # the relaunch resumes from step n (the log grows past it)
     pids = job_processes(d)
     assert p.pid in pids and len(pids) >= 4, pids  # launch.sh, torchrun, 2 ranks
     for pid in pids:
         os.kill(pid, signal.SIGUSR1)
-    n = check_stopped(p, d, "SIGUSR1")
-    resume_to_the_end(small_store, d, n)
+    m = check_stopped(p, d, "SIGUSR1", [n])
+    assert f"resumed from {d}/ckpt/step_{n:07d} (step {n})" in open(f"{d}.log").read()
+    resume_to_the_end(small_store, d, m)
     same_trajectory(reference, d)
 
 
