@@ -138,18 +138,21 @@ node_cmd() {  # $1 = head address, then train.py's arguments
   shift
   echo "$PYTHON -m torch.distributed.run --nnodes=$NODES --nproc_per_node=$NPROC --rdzv_backend=c10d" \
        "--rdzv_endpoint=$head:$PORT --rdzv_id=${SLURM_JOB_ID:-${RDZV_ID:-mae}} --max_restarts=0" \
-       "--signals_to_handle=SIGINT,SIGHUP,SIGQUIT train.py $(printf '%q ' "$@")"
+       "train.py $(printf '%q ' "$@")"
 }
 
 # ---- the ranks of one node, supervised: stop signals reach them, and the last line says how the run ended.
-# torchrun runs with SIGTERM and SIGUSR1 ignored (and left out of its --signals_to_handle). Handling them, it would
-# forward the first and kill the ranks 30 s later, mid-checkpoint if need be; and SLURM signals every process of
-# a step, so with this script's forward a rank can get one signal twice, and a repeat cuts torchrun's shutdown
-# short. The ranks install their own handlers (they ignore repeats); this script forwards each signal to them.
+# torchrun runs with SIGTERM and SIGUSR1 ignored, and left out of the signals it handles (PET_SIGNALS_TO_HANDLE: its
+# --signals_to_handle, torch >= 2.9). Handling them, it would forward the first and kill the ranks 30 s later,
+# mid-checkpoint if need be; and SLURM signals every process of a step, so with this script's forward a rank can get
+# one signal twice, and a repeat cuts torchrun's shutdown short. The ranks install their own handlers (they ignore
+# repeats); this script forwards each signal to them. (An older torchrun handles SIGTERM whatever it inherits: the
+# ranks then have 30 s for their checkpoint. SIGUSR1, SLURM's time-limit warning, stays theirs in every version.)
 run_ranks() {  # the torchrun command line
   rm -f "$OUT_DIR/STOPPED"  # the ranks write it after a stop's checkpoint is complete
   MAE_ERROR_FILE=$(mktemp "${TMPDIR:-/tmp}/mae_errors.XXXXXX")  # each failing rank appends its first line
   export MAE_ERROR_FILE MAE_LAUNCHER=launch.sh  # (under launch.sh a rank that stopped cleanly exits 0, not 75)
+  export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
   ( trap '' TERM USR1; exec "$@" ) &
   local pid=$! rc=0 first
   # shellcheck disable=SC2064  # the pid, now
@@ -243,8 +246,7 @@ if [ "${DRY_RUN:-0}" = "1" ]; then
     done
     echo "(HEAD = the first host of the allocation or hostfile, computed on each node at start)"
   else
-    echo "node 0 runs: $PYTHON -m torch.distributed.run --standalone --nproc_per_node=$NPROC" \
-         "--signals_to_handle=SIGINT,SIGHUP,SIGQUIT train.py $*"
+    echo "node 0 runs: $PYTHON -m torch.distributed.run --standalone --nproc_per_node=$NPROC train.py $*"
   fi
   echo "validation (train.py --dry_run=True):"
   echo "$PLAN" | grep -v '^LAUNCH' | sed 's/^/  /'
@@ -255,8 +257,7 @@ case "$MODE" in
   local)
     echo "launch.sh: local mode, $NPROC rank(s), $NGPU GPU(s)" >&2
     rc=0
-    run_ranks "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
-      --signals_to_handle=SIGINT,SIGHUP,SIGQUIT train.py "$@" || rc=$?
+    run_ranks "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train.py "$@" || rc=$?
     exit "$rc"
     ;;
   slurm)
@@ -335,7 +336,10 @@ EOF
       host=${HOSTS[$i]}
       # the node's first line names its launch.sh's pid there (exec keeps it), for passing stop signals on
       cmd="cd $(printf '%q' "$ROOT") && echo \"launch.sh node pid \$\$\" && exec env HEAD=$HEAD NODE_RANK=$i NPROC=$NPROC"
-      cmd+=" PORT=$PORT RDZV_ID=${RDZV_ID:-mae$$} PYTHON=$(printf '%q' "$PYTHON") bash $(printf '%q' "$ROOT/launch.sh")"
+      # (PATH: the interpreter's folder first, as where launch.sh was started: the venv's tools, e.g. the ninja that
+      # DeepSpeed's JIT build uses, not those a remote login shell finds first)
+      cmd+=" PORT=$PORT RDZV_ID=${RDZV_ID:-mae$$} PYTHON=$(printf '%q' "$PYTHON")"
+      cmd+=" PATH=$(printf '%q' "$(dirname "$PYTHON")"):\$PATH bash $(printf '%q' "$ROOT/launch.sh")"
       cmd+=" --node $ARGS"
       # each node in its own process group (setsid), so that stopping it stops its ranks too
       if [ "$host" = "127.0.0.1" ] || [ "$host" = "localhost" ]; then
