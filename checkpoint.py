@@ -3,23 +3,38 @@ Checkpoints: save, find and resume, for every strategy (train.py's engines: Deep
 
     save(engine, ckpt_dir, step, client_state, keep, rank)   all ranks; COMPLETE written last
     complete_checkpoints(ckpt_dir)                          [(step, tag)] that resume may take
-    resume(engine, cfg, ckpt_dir, world, dtype, log)        load the newest complete one: its step, 0, or None
+    resume(engine, cfg, ckpt_dir, world, dtype, log)        load the newest complete one: (its step, samples seen),
+                                                            (0, 0) for none, or (None, None) if the run is done
+    to_universal(ckpt_dir, tag, rank, log)                  ZeRO state -> DeepSpeed's universal checkpoint (once)
     StopRequest()                                           SIGTERM / SIGUSR1 -> a checkpoint, exit RESUMABLE (75)
 
 A checkpoint is out_dir/ckpt/step_NNNNNNN/ as the engine writes it, plus a COMPLETE marker written (atomically,
 after every shard is flushed to disk) only once every rank has saved. Resume takes the newest complete one, so
 a job killed mid-write resumes from the one before; nothing complete is ever rewritten.
 
+Elastic resume: a checkpoint continues on another number of ranks or another dp x cp layout, as long as the global
+batch (micro_batch x grad_accum x dp) is the same; the sampler draws sample g of the run's stream from (seed, g)
+alone, so the next step reads the same samples whoever reads them. FSDP2's DCP checkpoint reshards on load (its
+shards are recorded by global offsets). ZeRO-2/3 partition flat fp32 buffers by rank, so a ZeRO checkpoint written
+by W ranks is converted once, by DeepSpeed's own ds_to_universal, into a universal checkpoint (one folder per
+parameter: fp32 weight, exp_avg, exp_avg_sq, step) inside the checkpoint, step_N/universal/, which any number of
+ranks loads (DeepSpeed's load_universal). A changed global batch is refused unless allow_batch_change=True: then the
+data stream continues at the next unseen sample (samples_seen, kept in every checkpoint).
+
 A stop signal (SIGTERM: SLURM's time limit and preemption, a scheduler's kill; SIGUSR1: SLURM's warning before
 the time limit, which launch.sh asks for) is a request: the ranks agree at the next step boundary, write a
 complete checkpoint of that step, out_dir/STOPPED says so, and they exit RESUMABLE. Running the same command
 again continues exactly where the run stopped.
 """
+import datetime
 import errno
 import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import time
 
 import torch
 
@@ -116,8 +131,8 @@ def local_params(engine):
 
 def resume(engine, cfg, ckpt_dir, world, dtype, log):
     """Load the newest complete checkpoint in ckpt_dir that loads into `engine` (all ranks; rank 0 chooses).
-    Returns the step to continue from (0: nothing to resume), or None when the newest already reached max_steps.
-    Raises ConfigError, before anything is trained, when the checkpoint cannot be continued by this run.
+    Returns (the step to continue from, samples of the stream already trained on): (0, 0) when there is nothing
+    to resume, (None, None) when the newest already reached max_steps. Raises ConfigError, before anything is trained, when the checkpoint cannot be continued by this run.
 
     A checkpoint marked COMPLETE can still fail to load: a shard damaged or truncated since (a file system
     fault, a partial copy). Then every rank says whether it loaded, all agree (one all-reduce), rank 0 names
@@ -133,19 +148,19 @@ def resume(engine, cfg, ckpt_dir, world, dtype, log):
     dist.broadcast_object_list(done, src=0)
     moved = []
     for i, (_, tag) in enumerate(reversed(done[0])):
-        start = _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest=(i == 0))
-        if start != "damaged":
-            return start
+        got = _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest=(i == 0))
+        if got != "damaged":
+            return got
         moved.append(tag)
     if moved:
         raise configurator.ConfigError(f"no complete checkpoint in {ckpt_dir} loads (moved aside as damaged_*: "
                                        f"{', '.join(moved)}): repair them, or start again in a new out_dir")
-    return 0
+    return 0, 0
 
 
 def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
-    """Check that checkpoint `tag` can be continued by this run and load it: its step, None (the newest is at
-    max_steps: nothing to do), or "damaged" (it did not load on some rank; moved aside)."""
+    """Check that checkpoint `tag` can be continued by this run and load it: (its step, samples seen), (None, None)
+    (the newest is at max_steps: nothing to do), or "damaged" (it did not load on some rank; moved aside)."""
     dist = torch.distributed
     if not os.path.exists(os.path.join(ckpt_dir, tag, "COMPLETE")):
         raise configurator.ConfigError(f"rank {dist.get_rank()} cannot see {ckpt_dir}/{tag}: out_dir "
@@ -155,7 +170,7 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
     if newest and meta["step"] >= cfg["max_steps"] and not cfg.get("eval_only"):
         log(f"run already complete: {ckpt_dir}/{tag} is at step {meta['step']} of max_steps "
             f"{cfg['max_steps']}; raise --max_steps to go on")
-        return None
+        return None, None
 
     check_compatible(meta, cfg, world, str(dtype), f"{ckpt_dir}/{tag}")
     # first a cheap look at the files (rank 0, shared storage), so that a truncated shard is found before any rank
@@ -164,21 +179,40 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
     bad = [unreadable_files(os.path.join(ckpt_dir, tag)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(bad, src=0)
     why, bad = (f"files that no longer read: {', '.join(bad[0])}" if bad[0] else None), bad[0]
+    # another world size under ZeRO: DeepSpeed's universal checkpoint, converted once (FSDP2's DCP reshards itself)
+    universal = not why and meta["world"] != world and cfg["strategy"] in ("zero2", "zero3")
+    load_dir, load_tag = ckpt_dir, tag
+    if universal:
+        load_dir, load_tag = os.path.join(ckpt_dir, tag), os.path.basename(to_universal(ckpt_dir, tag, log))
+        log(f"resuming {ckpt_dir}/{tag} (written by {meta['world']} ranks) on {world} ranks from its universal "
+            f"checkpoint {load_dir}/{load_tag}")
     from torch.distributed.checkpoint.api import CheckpointException  # DCP's: a BaseException, not an Exception
     if not why:
         try:
-            path, client = engine.load_checkpoint(ckpt_dir, tag=tag)
+            if universal:  # DeepSpeed's "checkpoint": {"load_universal": true}, for this one load
+                engine._config.load_universal_checkpoint = True
+            path, client = engine.load_checkpoint(load_dir, tag=load_tag)
             why = None if path is not None and client is not None else "the engine found no checkpoint there"
+            if universal and cfg["strategy"] == "zero3" and not why:
+                _repair_zero3_universal_load(engine, os.path.join(load_dir, load_tag))
         except (Exception, CheckpointException) as e:  # damage the look above cannot see (the unpickler, DCP...)
             if isinstance(e, CheckpointException) and e.failures:  # DCP: every rank's failure, tracebacks in text
                 e = e.failures.get(dist.get_rank(), next(iter(e.failures.values())))[0]
             why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        finally:
+            if universal:
+                engine._config.load_universal_checkpoint = False
     # all ranks agree (a rank that loaded must not train alone); rank 0 learns every rank's reason
     ok = torch.tensor([0.0 if why else 1.0], device=next(engine.module.parameters()).device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if ok.item() == 1.0:
         log(f"resumed from {ckpt_dir}/{tag} (step {client['step']})")
-        return client["step"]
+        old_batch = global_batch(meta["config"], meta["world"])
+        seen = client.get("samples_seen", client["step"] * old_batch)
+        if old_batch != global_batch(cfg, world):
+            log(f"global batch {old_batch} -> {global_batch(cfg, world)} (allow_batch_change): the data stream goes "
+                f"on at sample {seen} (samples seen), at step {client['step']}; lr = blr x the new batch / 256")
+        return client["step"], seen
     reasons = [None] * dist.get_world_size()
     dist.all_gather_object(reasons, why)
     if dist.get_rank() == 0:
@@ -196,17 +230,86 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
     return "damaged"
 
 
+def to_universal(ckpt_dir, tag, log):
+    """All ranks: the universal checkpoint of the ZeRO checkpoint ckpt_dir/tag, at ckpt_dir/tag/universal, made once
+    by rank 0 with DeepSpeed's own converter (python -m deepspeed.checkpoint.ds_to_universal). Returns its path.
+
+    Published like a checkpoint: the converter writes universal.tmp/, every file is flushed, a COMPLETE marker goes
+    in last and only then is the folder renamed to universal/. A crash part-way leaves universal.tmp/, which the
+    next launch removes and converts again; the checkpoint's own files are only read. The other ranks wait on a
+    gloo group of their own with a long timeout: converting the state of 1.6 B parameters takes minutes, longer
+    than a training collective should ever be allowed to hang."""
+    dist = torch.distributed
+    src = os.path.join(ckpt_dir, tag)
+    out = os.path.join(src, "universal")
+    wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))  # (collective: before the work)
+    err = [None]
+    if dist.get_rank() == 0 and not os.path.exists(os.path.join(out, "COMPLETE")):
+        tmp = out + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)  # an earlier conversion that died part-way
+        log(f"converting {src} to a universal checkpoint (DeepSpeed's ds_to_universal), once")
+        t0 = time.time()
+        workers = max(1, min(8, os.cpu_count() or 1))  # processes that read the ranks' shards side by side
+        r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src,
+                            "--output_folder", tmp, "--inject_missing_state", "--num_extract_workers", str(workers),
+                            "--num_merge_workers", str(max(1, workers // 2))], capture_output=True, text=True)
+        if r.returncode != 0:
+            lines = [x for x in (r.stderr + r.stdout).splitlines() if x.strip()]
+            err[0] = (f"DeepSpeed's ds_to_universal could not convert {src} (exit {r.returncode}: "
+                      f"{lines[-1] if lines else 'no output'}); the checkpoint itself is untouched: resume it on the "
+                      f"number of ranks that wrote it")
+        else:
+            if os.path.exists(os.path.join(src, "latest_universal")):
+                os.remove(os.path.join(src, "latest_universal"))  # the converter's pointer for its own loader: unused
+            fsync_tree(tmp)
+            with open(os.path.join(tmp, "COMPLETE"), "w") as f:
+                json.dump({"source": tag}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, out)
+            fsync_dir(src)
+            log(f"converted in {time.time() - t0:.1f} s: {out}")
+    dist.broadcast_object_list(err, src=0, group=wait)
+    dist.destroy_process_group(wait)
+    if err[0]:
+        raise configurator.ConfigError(err[0])
+    return out
+
+
+def _repair_zero3_universal_load(engine, folder):
+    """Two flaws of DeepSpeed's ZeRO-3 universal loader (0.19.8, stage3.py, load_hp_checkpoint_state_from_checkpoint_
+    dir_stage3) with more than one parameter group, found by the elastic-resume tests (the run resumed on another
+    world size drifted from the uninterrupted one by 2.5e-4 two steps on; with these repairs it follows it exactly):
+      * it gives every group's state THE SAME `step` tensor, which AdamW increments in place once per group: with our
+        two groups (decay / no decay) the count ran twice as fast, and Adam's bias correction with it;
+      * it copies the first group's hyperparameters into every group, so the no-decay group (biases, norms, cls and
+        mask tokens) got weight decay.
+    Each group gets its own step tensor back, and its own hyperparameters from the converted optimizer_state.pt."""
+    for state in engine.optimizer.optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    saved = torch.load(os.path.join(folder, "zero", "optimizer_state.pt"), map_location="cpu", weights_only=False,
+                       mmap=True)["param_groups"]
+    for group, was in zip(engine.optimizer.param_groups, saved):
+        group.update({k: v for k, v in was.items() if k != "params"})
+
+
+def global_batch(c, world):
+    """Samples per optimizer step of a run of config `c` on `world` ranks: micro_batch x grad_accum x dp."""
+    return c["micro_batch"] * c["grad_accum"] * (world // (c.get("cp") or 1))
+
+
 def check_compatible(meta, cfg, world, dtype, where):
     """Raise ConfigError unless the checkpoint whose COMPLETE marker is `meta` can be continued by a run of config
     `cfg` on `world` ranks computing in `dtype` (a str like 'torch.bfloat16'; None: not compared, as in launch.sh's
     pre-flight, which cannot always tell what 'auto' will resolve to on the nodes). Needs no engine: resume
-    calls it on every rank, train.py's dry run before torchrun starts."""
+    calls it on every rank, train.py's dry run before torchrun starts. Another world size or dp x cp layout is
+    fine (elastic resume, see the top of this file); the global batch must stay unless allow_batch_change."""
     # what the run's function depends on must not change under it: the model, the data stream, the masks
     # (mask_ratio; mask_strata, whose default follows cp) and the compute dtype (resolved: 'auto' is bf16 on
     # GPU). Older checkpoints lack some keys: those are not compared.
     def resolved(c, dt):
-        return {**{k: c.get(k) for k in ("model_size", "patch", "seed", "strategy", "crop", "cp", "micro_batch",
-                                          "grad_accum", "mask_ratio")},
+        return {**{k: c.get(k) for k in ("model_size", "patch", "seed", "strategy", "crop", "mask_ratio")},
                 "mask_strata": (c.get("mask_strata") or c.get("cp")) if "mask_strata" in c else None,
                 # what is held out: training never touched it, and must not start to (nor a validation of trained
                 # inlines pass for held out, e.g. an eval_only with another val_frac)
@@ -216,14 +319,21 @@ def check_compatible(meta, cfg, world, dtype, where):
     now = resolved(json.loads(json.dumps(cfg)), dtype)  # tuples come back as lists
     for key in was:
         if was[key] is not None and now[key] is not None and was[key] != now[key]:
+            hint = ("; the masks follow mask_strata, which defaults to cp: a run that will change cp sets "
+                    "mask_strata (a multiple of every cp it will use) from its start" if key == "mask_strata" else "")
             raise configurator.ConfigError(
                 f"checkpoint {where} was trained with {key}={was[key]!r}, this run has {now[key]!r}: "
-                f"set it back to resume, or use another out_dir to start a new run")
-    if meta["world"] != world:
+                f"set it back to resume, or use another out_dir to start a new run{hint}")
+    old, new = global_batch(meta["config"], meta["world"]), global_batch(cfg, world)
+    if old != new and not cfg.get("allow_batch_change"):
+        c = meta["config"]
         raise configurator.ConfigError(
-            f"checkpoint {where} was written by {meta['world']} ranks and this job has {world}: "
-            f"ZeRO partitions the optimizer state per rank, so resume with {meta['world']} ranks "
-            f"(NPROC={meta['world']} bash launch.sh ...)")
+            f"checkpoint {where} was trained with global batch {old} (micro_batch {c['micro_batch']} x grad_accum "
+            f"{c['grad_accum']} x dp {meta['world'] // (c.get('cp') or 1)}), and this run's is {new} (micro_batch "
+            f"{cfg['micro_batch']} x grad_accum {cfg['grad_accum']} x dp {world // cfg['cp']}): "
+            + (f"set micro_batch x grad_accum = {old // (world // cfg['cp'])} to continue the same run"
+               if old % (world // cfg["cp"]) == 0 else f"no micro_batch x grad_accum gives {old} on dp {world // cfg['cp']}")
+            + f", or set allow_batch_change=True to go on with batch {new} from the next unseen sample")
 
 
 def unreadable_files(path):

@@ -457,6 +457,9 @@ class Sampler:
         self.inline = [split_inline(v, part, self.crop[0]) for v in self.volumes]
         self.seed, self.micro_batch, self.grad_accum = seed, micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        # where step 0 would start in the stream: 0, unless a resumed run changed its global batch (train.py sets it
+        # to samples seen - step x the new batch, so the next step reads the next unseen samples)
+        self.offset = 0
         # context parallelism: the cp ranks of a group read the same samples, each only its slab of
         # crop[0] / cp inline planes (a 1536 x 1536 x 2048 float32 sample is 19 GB: no rank holds one)
         self.cp_rank, self.cp_size = cp_rank, cp_size
@@ -469,8 +472,10 @@ class Sampler:
         self.sample_pool = ThreadPoolExecutor(max_workers=micro_batch, thread_name_prefix="sample")
 
     def global_index(self, step, micro, i):
-        """Sample number in the whole run's stream: steps, then micro steps, then dp ranks, then batch rows."""
-        return ((step * self.grad_accum + micro) * self.dp_size + self.dp_rank) * self.micro_batch + i
+        """Sample number in the whole run's stream: steps, then micro steps, then dp ranks, then batch rows. Step s
+        reads samples [s x global batch, (s + 1) x global batch) in any dp x cp layout, so a run resumed on other
+        ranks with the same global batch reads what the uninterrupted run would have."""
+        return self.offset + ((step * self.grad_accum + micro) * self.dp_size + self.dp_rank) * self.micro_batch + i
 
     def locate(self, g):
         """Which volume and which crop origin sample g of this sampler's stream reads: a function of (seed, g)

@@ -90,7 +90,9 @@ tensorboard = False  # also send scalars and figures to torch.utils.tensorboard,
 log_interval = 10  # steps between log lines
 ckpt_interval = 100  # steps between checkpoints (one is also written at the end)
 keep_ckpts = 2  # complete checkpoints kept; keep >= 2: the newest may be mid-write when a job dies
-resume = True  # continue from the newest complete checkpoint in out_dir, if any
+resume = True  # continue from the newest complete checkpoint in out_dir, if any (on any world size: checkpoint.py)
+allow_batch_change = False  # resume with another global batch: the stream goes on at the next unseen sample
+init_from = ""  # a new run starts from these weights (export.py's model file, or an out_dir): warm start, step 0
 ckpt_write_gbps = 2.0  # out_dir's write bandwidth, GB/s: the planner's checkpoint time (and stop_lead_s's)
 stop_step = 0  # > 0: stop after this step as if interrupted (checkpoint, exit); tests use it
 seed = 0  # data, mask and init randomness
@@ -404,7 +406,9 @@ def main(argv, stop=None):
 
     # ---- resume from the newest complete checkpoint (checkpoint.py)
     ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
-    start = checkpoint.resume(engine, cfg, ckpt_dir, world, job.dtype, log)
+    start, seen = checkpoint.resume(engine, cfg, ckpt_dir, world, job.dtype, log)
+    if start:
+        job.sampler.offset = seen - start * job.global_batch  # 0 unless the global batch changed (allow_batch_change)
     if cfg["eval_only"]:
         if not start:
             raise configurator.ConfigError(f"eval_only=True but {ckpt_dir} holds no complete checkpoint to evaluate")
@@ -500,7 +504,7 @@ def main(argv, stop=None):
                 read_back()  # no checkpoint after a non-finite loss
                 checkpoint.save(engine, ckpt_dir, step + 1, {"step": step + 1, "config": cfg,
                                                             "dtype": str(job.dtype),
-                                                            "samples_seen": (step + 1) * job.global_batch},
+                                                            "samples_seen": job.sampler.offset + (step + 1) * job.global_batch},
                                 cfg["keep_ckpts"], rank)
                 log(f"checkpoint step_{step + 1:07d} written to {ckpt_dir}")
                 # a signal that arrived during the write stops here, at this checkpoint
