@@ -5,7 +5,8 @@ Checkpoints: save, find and resume, for every strategy (train.py's engines: Deep
     complete_checkpoints(ckpt_dir)                          [(step, tag)] that resume may take
     resume(engine, cfg, ckpt_dir, world, dtype, log)        load the newest complete one: (its step, samples seen),
                                                             (0, 0) for none, or (None, None) if the run is done
-    to_universal(ckpt_dir, tag, rank, log)                  ZeRO state -> DeepSpeed's universal checkpoint (once)
+    to_universal(ckpt_dir, tag, log)                        ZeRO state -> DeepSpeed's universal checkpoint (once)
+    on_rank_0(work)                                         work() on rank 0, the others waiting; its result on all
     StopRequest()                                           SIGTERM / SIGUSR1 -> a checkpoint, exit RESUMABLE (75)
 
 A checkpoint is out_dir/ckpt/step_NNNNNNN/ as the engine writes it, plus a COMPLETE marker written (atomically,
@@ -132,7 +133,8 @@ def local_params(engine):
 def resume(engine, cfg, ckpt_dir, world, dtype, log):
     """Load the newest complete checkpoint in ckpt_dir that loads into `engine` (all ranks; rank 0 chooses).
     Returns (the step to continue from, samples of the stream already trained on): (0, 0) when there is nothing
-    to resume, (None, None) when the newest already reached max_steps. Raises ConfigError, before anything is trained, when the checkpoint cannot be continued by this run.
+    to resume, (None, None) when the newest already reached max_steps. Raises ConfigError, before anything is
+    trained, when the checkpoint cannot be continued by this run.
 
     A checkpoint marked COMPLETE can still fail to load: a shard damaged or truncated since (a file system
     fault, a partial copy). Then every rank says whether it loaded, all agree (one all-reduce), rank 0 names
@@ -230,21 +232,39 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
     return "damaged"
 
 
+def on_rank_0(work):
+    """All ranks: work() runs on rank 0 while the others wait; returns its result (picklable) on every rank, and a
+    ConfigError on rank 0 is raised on every rank. The others wait on a gloo group of their own with a long timeout:
+    the work (converting or exporting the state of 1.6 B parameters) takes minutes, longer than a training
+    collective should ever be allowed to hang. Any other failure ends rank 0, and the launcher then ends the rest."""
+    dist = torch.distributed
+    wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))  # (collective: before the work)
+    box = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = work()
+        except configurator.ConfigError as e:
+            box[1] = str(e)
+    dist.broadcast_object_list(box, src=0, group=wait)
+    dist.destroy_process_group(wait)
+    if box[1]:
+        raise configurator.ConfigError(box[1])
+    return box[0]
+
+
 def to_universal(ckpt_dir, tag, log):
     """All ranks: the universal checkpoint of the ZeRO checkpoint ckpt_dir/tag, at ckpt_dir/tag/universal, made once
     by rank 0 with DeepSpeed's own converter (python -m deepspeed.checkpoint.ds_to_universal). Returns its path.
 
     Published like a checkpoint: the converter writes universal.tmp/, every file is flushed, a COMPLETE marker goes
     in last and only then is the folder renamed to universal/. A crash part-way leaves universal.tmp/, which the
-    next launch removes and converts again; the checkpoint's own files are only read. The other ranks wait on a
-    gloo group of their own with a long timeout: converting the state of 1.6 B parameters takes minutes, longer
-    than a training collective should ever be allowed to hang."""
-    dist = torch.distributed
+    next launch removes and converts again; the checkpoint's own files are only read."""
     src = os.path.join(ckpt_dir, tag)
     out = os.path.join(src, "universal")
-    wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))  # (collective: before the work)
-    err = [None]
-    if dist.get_rank() == 0 and not os.path.exists(os.path.join(out, "COMPLETE")):
+
+    def convert():
+        if os.path.exists(os.path.join(out, "COMPLETE")):
+            return  # converted by an earlier launch
         tmp = out + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier conversion that died part-way
         log(f"converting {src} to a universal checkpoint (DeepSpeed's ds_to_universal), once")
@@ -255,24 +275,22 @@ def to_universal(ckpt_dir, tag, log):
                             "--num_merge_workers", str(max(1, workers // 2))], capture_output=True, text=True)
         if r.returncode != 0:
             lines = [x for x in (r.stderr + r.stdout).splitlines() if x.strip()]
-            err[0] = (f"DeepSpeed's ds_to_universal could not convert {src} (exit {r.returncode}: "
-                      f"{lines[-1] if lines else 'no output'}); the checkpoint itself is untouched: resume it on the "
-                      f"number of ranks that wrote it")
-        else:
-            if os.path.exists(os.path.join(src, "latest_universal")):
-                os.remove(os.path.join(src, "latest_universal"))  # the converter's pointer for its own loader: unused
-            fsync_tree(tmp)
-            with open(os.path.join(tmp, "COMPLETE"), "w") as f:
-                json.dump({"source": tag}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, out)
-            fsync_dir(src)
-            log(f"converted in {time.time() - t0:.1f} s: {out}")
-    dist.broadcast_object_list(err, src=0, group=wait)
-    dist.destroy_process_group(wait)
-    if err[0]:
-        raise configurator.ConfigError(err[0])
+            raise configurator.ConfigError(
+                f"DeepSpeed's ds_to_universal could not convert {src} (exit {r.returncode}: "
+                f"{lines[-1] if lines else 'no output'}); the checkpoint itself is untouched: resume it on the "
+                f"number of ranks that wrote it")
+        if os.path.exists(os.path.join(src, "latest_universal")):
+            os.remove(os.path.join(src, "latest_universal"))  # the converter's pointer for its own loader: unused
+        fsync_tree(tmp)
+        with open(os.path.join(tmp, "COMPLETE"), "w") as f:
+            json.dump({"source": tag}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+        fsync_dir(src)
+        log(f"converted in {time.time() - t0:.1f} s: {out}")
+
+    on_rank_0(convert)
     return out
 
 
@@ -332,7 +350,8 @@ def check_compatible(meta, cfg, world, dtype, where):
             f"{c['grad_accum']} x dp {meta['world'] // (c.get('cp') or 1)}), and this run's is {new} (micro_batch "
             f"{cfg['micro_batch']} x grad_accum {cfg['grad_accum']} x dp {world // cfg['cp']}): "
             + (f"set micro_batch x grad_accum = {old // (world // cfg['cp'])} to continue the same run"
-               if old % (world // cfg["cp"]) == 0 else f"no micro_batch x grad_accum gives {old} on dp {world // cfg['cp']}")
+               if old % (world // cfg["cp"]) == 0 else
+               f"no micro_batch x grad_accum gives {old} on dp {world // cfg['cp']}")
             + f", or set allow_batch_change=True to go on with batch {new} from the next unseen sample")
 
 

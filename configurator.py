@@ -42,7 +42,7 @@ def apply(cfg, argv):
                 src = open(arg).read()
             except OSError as e:
                 raise ConfigError(f"cannot read config file {arg!r}: {e}") from e
-            scope = {}
+            scope = {"__file__": arg}  # so that a config can build on another one beside it (config/context_1m.py)
             exec(compile(src, arg, "exec"), scope)
             for key, value in scope.items():
                 if key.startswith("__") or callable(value) or type(value).__name__ == "module":

@@ -16,6 +16,7 @@ goes to stderr. From Python:
     build_model(cfg, device=None)                 -> the config's MAE (as train.setup builds it; not seeded)
     read_model_file(path, map_location="cpu")     -> (state_dict, meta)      a file's weights, format checked
     load(path_or_obj, map_location="cpu")         -> (model, meta)           the config's MAE with the file's weights
+    init_source(path), check_init(src, cfg, where), warm_start(model, path, cfg)   train.py's init_from=PATH
 
 The file is one torch.save of tensors and plain types only, so it loads with torch.load(path, weights_only=True)
 (no code runs on load, no DeepSpeed or distributed setup is needed):
@@ -38,6 +39,7 @@ it, so that a file never carries the vector's other bytes: an encoder-only file 
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import warnings
@@ -265,14 +267,16 @@ def export(out_dir, tag=None, out=None, encoder_only=False):
 # 4. reading it back
 
 
-def read_model_file(path_or_obj, map_location="cpu"):
+def read_model_file(path_or_obj, map_location="cpu", mmap=False):
     """A model file's weights and what else it holds: (state_dict, meta), meta = the file without "model", plus
     "tag" (the checkpoint it came from). Read with weights_only=True: only tensors and plain types, no code runs.
-    Raises ConfigError for anything that is not a seismic-mae model file of a version this file reads."""
+    mmap=True: the tensors stay on disk until used (a look at the config costs nothing; the ranks of a node share
+    one read through the page cache). Raises ConfigError for anything that is not a seismic-mae model file of a
+    version this file reads."""
     if isinstance(path_or_obj, (str, os.PathLike)):
         name = str(path_or_obj)
         try:
-            obj = torch.load(path_or_obj, map_location=map_location, weights_only=True)
+            obj = torch.load(path_or_obj, map_location=map_location, weights_only=True, mmap=mmap)
         except FileNotFoundError:
             raise configurator.ConfigError(f"{name}: no such file") from None
         except OSError as e:
@@ -337,6 +341,67 @@ def load(path_or_obj, map_location="cpu"):
         raise configurator.ConfigError(f"{name}: {left[:5]} are not in the file and were not built: update export.load")
     model.encoder_only = encoder_only
     return model.eval(), meta
+
+
+# -----------------------------------------------------------------------------
+# 5. warm start: train.py's init_from=PATH (a new run, step 0, fresh optimizer, these weights)
+
+
+def init_source(path):
+    """What init_from=PATH holds, cheaply (nothing but a config is read): (its run's config, a description). PATH is
+    a model file (this file's format; an encoder-only one too) or a run's out_dir (its newest complete checkpoint).
+    train.py's dry run and setup call it before any work."""
+    if os.path.isdir(path):
+        ckpt_dir, tag, meta = find_checkpoint(path)
+        return meta["config"], f"{ckpt_dir}/{tag} (step {meta['step']})"
+    if not os.path.exists(path):
+        raise configurator.ConfigError(f"init_from={path!r}: no such file or directory; give a model file (python "
+                                       f"export.py OUT_DIR writes one) or a run's out_dir")
+    _, meta = read_model_file(path, mmap=True)
+    return meta["config"], f"{path} (step {meta['step']}{', encoder only' if meta.get('encoder_only') else ''})"
+
+
+def check_init(src, cfg, where):
+    """Raise ConfigError unless weights trained with config `src` fit the MAE of config `cfg`. The crop may differ
+    (positions are computed per token, from its grid coordinates: a larger crop has more tokens, each embedded as
+    before; no weight depends on the grid); the patch and the model's shape may not."""
+    if tuple(src["patch"]) != tuple(cfg["patch"]):
+        pv, cv = (math.prod(p) for p in (src["patch"], cfg["patch"]))
+        raise configurator.ConfigError(
+            f"init_from {where} was trained with patch {tuple(src['patch'])} and this run has {tuple(cfg['patch'])}: "
+            f"the patch embedding (a Conv3d kernel of the patch's shape) and the decoder's output ({pv} vs {cv} "
+            f"voxels per token) are shaped by it; set patch={tuple(src['patch'])} (the crop may change), or start "
+            f"from scratch")
+    if src["model_size"] != cfg["model_size"]:
+        a, b = (build_model({**cfg, "model_size": m, "crop": cfg["patch"]}, device="meta") for m in
+                (src["model_size"], cfg["model_size"]))
+        raise configurator.ConfigError(
+            f"init_from {where} is model_size {src['model_size']!r} ({a.dim} wide, {len(a.blocks)} blocks) and this "
+            f"run builds {cfg['model_size']!r} ({b.dim} wide, {len(b.blocks)} blocks): the weights do not fit; set "
+            f"model_size={src['model_size']!r}, or start from scratch")
+
+
+def warm_start(model, path, cfg, name=None):
+    """Load init_from's weights (a model file: `path`, read memory-mapped) into `model`, the run's MAE as train.setup
+    built it, before any strategy wraps it. A full file sets every weight; an encoder-only one the encoder, and the
+    decoder keeps its fresh init. `name`: what init_from said, if not `path`. Returns a line for the log."""
+    sd, meta = read_model_file(path, mmap=True)
+    check_init(meta["config"], cfg, path)
+    own = model.state_dict()
+    want = [k for k in own if meta.get("encoder_only") is not True or part(k) == "encoder"]
+    _check_names(sd.keys(), want, path)
+    with torch.no_grad():
+        for k in want:
+            if tuple(sd[k].shape) != tuple(own[k].shape):
+                raise configurator.ConfigError(f"init_from {path}: weight {k} is {tuple(sd[k].shape)}, this run's MAE "
+                                               f"has {tuple(own[k].shape)}")
+            own[k].copy_(sd[k])  # (state_dict's tensors share the parameters' storage)
+    some = len(want) < len(own)
+    src = meta["config"]
+    return (f"init_from {name or path}{f' (exported to {path})' if name else ''}: "
+            f"{'the encoder' if some else 'every weight'} of a {src['model_size']} MAE trained {meta['step']} steps on "
+            f"{tuple(src['crop'])} crops{' (the decoder starts fresh)' if some else ''}; a new run from step 0, "
+            f"fresh optimizer")
 
 
 # -----------------------------------------------------------------------------

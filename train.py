@@ -32,6 +32,7 @@ import checkpoint
 import configurator
 import data
 import evaluate
+import export
 import ring_attention
 import strategies
 from model import MODELS
@@ -275,6 +276,20 @@ def setup(cfg):
                                                   mask_strata=cfg["mask_strata"] or cp)
     model.set_context_parallel(job.cp_group, cfg["cp_impl"])
     job.n_params = sum(p.numel() for p in model.parameters())  # before any sharding hides them
+    # ---- warm start (init_from): trained weights into the plain model, before a strategy shards it or copies them
+    # into its fp32 masters. Only a new run: one with checkpoints of its own resumes them (a requeued job goes on).
+    if cfg["init_from"]:
+        if cfg["resume"] and checkpoint.complete_checkpoints(os.path.join(cfg["out_dir"], "ckpt")):
+            job.log(f"init_from={cfg['init_from']} not used: {cfg['out_dir']} has checkpoints of its own to resume")
+        else:
+            src = cfg["init_from"]
+            export.check_init(export.init_source(src)[0], cfg, src)  # before any work: a wrong patch or width
+            if os.path.isdir(src):  # a run's out_dir: its newest checkpoint as one model file, exported by rank 0
+                path = checkpoint.on_rank_0(
+                    lambda: export.export(src, out=os.path.join(cfg["out_dir"], "init_from.pt")))
+                job.log(export.warm_start(model, path, cfg, name=src))
+            else:
+                job.log(export.warm_start(model, src, cfg))
     job.engine, job.optimizer = strategies.build(model, cfg, job.peak_lr, dtype, job.device)
     return job
 
@@ -356,9 +371,18 @@ def check_launch(cfg):
                                        f"out_dir (mixing two runs' checkpoints in one directory is never safe)")
     if done:
         with open(os.path.join(ckpt_dir, done[-1][1], "COMPLETE")) as f:
-            dt = None if cfg["dtype"] == "auto" else str(getattr(torch, cfg["dtype"]))
-            checkpoint.check_compatible(json.load(f), cfg, world, dt, f"{ckpt_dir}/{done[-1][1]}")
-        print(f"resume: {ckpt_dir}/{done[-1][1]} fits this run")
+            meta = json.load(f)
+        dt = None if cfg["dtype"] == "auto" else str(getattr(torch, cfg["dtype"]))
+        checkpoint.check_compatible(meta, cfg, world, dt, f"{ckpt_dir}/{done[-1][1]}")
+        print(f"resume: {ckpt_dir}/{done[-1][1]} fits this run" + (
+            "" if meta["world"] == world else f" (written by {meta['world']} ranks: " + (
+                "DCP reshards it on load)" if cfg["strategy"] == "fsdp2" else
+                "converted once, at start-up, to a universal checkpoint that any number of ranks loads)")))
+    elif cfg["init_from"]:
+        src, what = export.init_source(cfg["init_from"])
+        export.check_init(src, cfg, cfg["init_from"])
+        print(f"init_from: {what}, a {src['model_size']} MAE trained on {tuple(src['crop'])} crops: fits this run "
+              f"({tuple(cfg['crop'])} crops); a warm start at step 0 with a fresh optimizer")
     if cp > gpn:
         print(f"warning: cp={cp} spans more than one node ({gpn} GPUs each): the ring would cross the network")
     dp = world // cp
@@ -502,10 +526,9 @@ def main(argv, stop=None):
                 validate_at(step + 1)  # before the checkpoint: a resume from it does not evaluate it again
             if ckpt_now:
                 read_back()  # no checkpoint after a non-finite loss
-                checkpoint.save(engine, ckpt_dir, step + 1, {"step": step + 1, "config": cfg,
-                                                            "dtype": str(job.dtype),
-                                                            "samples_seen": job.sampler.offset + (step + 1) * job.global_batch},
-                                cfg["keep_ckpts"], rank)
+                n_seen = job.sampler.offset + (step + 1) * job.global_batch  # (offset: see data.Sampler)
+                checkpoint.save(engine, ckpt_dir, step + 1, {"step": step + 1, "config": cfg, "dtype": str(job.dtype),
+                                                            "samples_seen": n_seen}, cfg["keep_ckpts"], rank)
                 log(f"checkpoint step_{step + 1:07d} written to {ckpt_dir}")
                 # a signal that arrived during the write stops here, at this checkpoint
                 stop_now = stop_now or (stop is not None and step + 1 < end and stop.agree_now(job.device))

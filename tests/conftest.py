@@ -74,14 +74,15 @@ def small_args(store, out_dir, **kw):
     return [f"--{k}={v!r}" if not isinstance(v, str) else f"--{k}={v}" for k, v in cfg.items()]
 
 
-STRATEGY_ARGS = dict(max_steps=5, grad_accum=2)
+STRATEGY_ARGS = dict(max_steps=8, grad_accum=2)
 
 
 @pytest.fixture(scope="session")
 def strategy_runs(small_store, tmp_path_factory):
-    """Under zero2, zero3 and fsdp2, one 2-rank run of 5 steps (grad_accum 2) stopped after step 3 (a checkpoint,
-    exit) and resumed to step 5: {strategy: (out_dir, first CompletedProcess, second)}. Complete checkpoints at
-    steps 3 and 5, validation at 0, 3 and 5. test_strategies checks the runs, test_export exports them."""
+    """Under zero2, zero3 and fsdp2, one 2-rank run of 8 steps (grad_accum 2) stopped after step 3 (a checkpoint,
+    exit) and resumed to step 8: {strategy: (out_dir, first CompletedProcess, second)}. Complete checkpoints at
+    steps 3 and 8, validation at 0, 3, 6 and 8. test_strategies checks the runs, test_export exports them,
+    test_elastic continues their step 3 on other world sizes."""
     root, out = tmp_path_factory.mktemp("strategies"), {}
     for strategy in ("zero2", "zero3", "fsdp2"):
         d = root / strategy
@@ -89,3 +90,22 @@ def strategy_runs(small_store, tmp_path_factory):
         b = run_train(small_args(small_store, d, strategy=strategy, **STRATEGY_ARGS), nproc=2) if a.returncode == 0 else a
         out[strategy] = d, a, b
     return out
+
+
+def launch_quickstart(*args, timeout=900):
+    """bash launch.sh config/quickstart.py ARGS, as the README has it (the venv first on PATH; launch.sh splits the
+    cores between the ranks itself)."""
+    env = job_env(PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    env.pop("OMP_NUM_THREADS")
+    return subprocess.run(["bash", "launch.sh", "config/quickstart.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def quickstart(tmp_path_factory):
+    """The main job, once for the whole session: bash launch.sh config/quickstart.py (2 CPU ranks, 500 steps, ~2 min)
+    with its store and out_dir in a temporary folder. Returns (store, out_dir, CompletedProcess). test_quickstart
+    checks it; test_elastic warm-starts from its model."""
+    root = tmp_path_factory.mktemp("quickstart")
+    store, out = str(root / "qs.mdio"), str(root / "out")
+    return store, out, launch_quickstart(f"--data_paths=['{store}']", f"--out_dir={out}")

@@ -1,7 +1,7 @@
 """export.py: one model file out of a complete checkpoint of each strategy, holding the weights the run trained.
 
-The reference is the run itself: train.py evaluates its weights on fixed held-out samples at steps 0, 3 and 5
-(val_loss in log.jsonl; evaluate.py), and step_0000003 / step_0000005 hold exactly those weights. The exported
+The reference is the run itself: train.py evaluates its weights on fixed held-out samples at steps 0, 3, 6 and 8
+(val_loss in log.jsonl; evaluate.py), and step_0000003 / step_0000008 hold exactly those weights. The exported
 model, run through the same evaluate.run in this one process, must give the same val_loss. The seeded init
 (train.setup's) gives step 0's, which makes "the export differs from the init" a statement about the real init.
 """
@@ -25,7 +25,7 @@ STRATEGIES = ("zero2", "zero3", "fsdp2")
 
 @pytest.fixture(scope="module")
 def runs(small_store, strategy_runs, tmp_path_factory):
-    """2-rank runs of 5 steps with complete checkpoints after steps 3 and 5: each strategy's run of
+    """2-rank runs of 8 steps with complete checkpoints after steps 3 and 8: each strategy's run of
     test_strategies (conftest.strategy_runs: stopped after step 3, resumed), and a bf16 one."""
     out = {}
     for name in STRATEGIES:
@@ -33,12 +33,13 @@ def runs(small_store, strategy_runs, tmp_path_factory):
         assert b.returncode == 0, (name, b.stderr[-3000:])
         out[name] = d
     d = tmp_path_factory.mktemp("export") / "zero2_bf16"
-    r = run_train(small_args(small_store, d, max_steps=5, ckpt_interval=3, strategy="zero2", dtype="bfloat16"),
+    r = run_train(small_args(small_store, d, max_steps=8, ckpt_interval=3, keep_ckpts=3, strategy="zero2",
+                                   dtype="bfloat16"),
                   nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     out["zero2_bf16"] = d
     for name, d in out.items():
-        assert [s for s, _ in checkpoint.complete_checkpoints(str(d / "ckpt"))] == [3, 5], name
+        assert {3, 8} <= {s for s, _ in checkpoint.complete_checkpoints(str(d / "ckpt"))}, name
     return out
 
 
@@ -80,13 +81,13 @@ def init_model(cfg):
 def test_every_strategy_exports_one_file_of_fp32_weights(runs, files):
     for name, (path, obj) in files.items():
         d = runs[name]
-        assert path == os.path.join(str(d), "model_step_0000005.pt")
+        assert path == os.path.join(str(d), "model_step_0000008.pt")
         assert not [f for f in os.listdir(d) if ".tmp" in f], os.listdir(d)  # no temporary left behind
         _, _, meta = export.find_checkpoint(str(d))
         assert set(obj) == {"format", "version", "model", "config", "step", "encoder_only", "source"}
-        assert (obj["format"], obj["version"], obj["step"], obj["encoder_only"]) == ("seismic-mae", 1, 5, False)
+        assert (obj["format"], obj["version"], obj["step"], obj["encoder_only"]) == ("seismic-mae", 1, 8, False)
         assert obj["config"] == meta["config"] and obj["config"]["strategy"] == name.split("_")[0]
-        assert obj["source"] == {"strategy": name.split("_")[0], "world": 2, "tag": "step_0000005",
+        assert obj["source"] == {"strategy": name.split("_")[0], "world": 2, "tag": "step_0000008",
                                  "dtype": "torch.bfloat16" if "bf16" in name else "torch.float32"}
         want = export.build_model(obj["config"], device="meta").state_dict()
         assert list(obj["model"]) == list(want)  # the plain module names, in the MAE's order
@@ -97,13 +98,13 @@ def test_every_strategy_exports_one_file_of_fp32_weights(runs, files):
         # one call rebuilds the config's MAE and loads strictly: the file's tensors are its parameters
         model, lmeta = export.load(path)
         assert model.encoder_only is False and not model.training
-        assert lmeta["step"] == 5 and lmeta["tag"] == "step_0000005"
+        assert lmeta["step"] == 8 and lmeta["tag"] == "step_0000008"
         sd = model.state_dict()
         assert list(sd) == list(obj["model"]) and all(torch.equal(sd[k], obj["model"][k]) for k in sd)
 
 
 def test_exported_weights_are_the_trained_ones(runs, files):
-    """Each strategy's export reproduces its run's own validation loss at steps 3 and 5, the three fp32 exports
+    """Each strategy's export reproduces its run's own validation loss at steps 3 and 8, the three fp32 exports
     agree (the strategies train the same trajectory), and every weight has moved from the init, which itself
     reproduces the step 0 validation loss."""
     cfg = files["zero2"][1]["config"]
@@ -113,9 +114,9 @@ def test_exported_weights_are_the_trained_ones(runs, files):
     for name, d in runs.items():
         dtype = torch.bfloat16 if "bf16" in name else torch.float32
         val = dict(read_val(d))
-        assert sorted(val) == [0, 3, 5], val
+        assert sorted(val) == [0, 3, 6, 8], val
         step3 = export.export(str(d), tag="step_3", out=str(d / "three.pt"))
-        for step, path in ((3, step3), (5, files[name][0])):
+        for step, path in ((3, step3), (8, files[name][0])):
             model, meta = export.load(path)
             assert meta["step"] == step
             # bf16: the fp32 masters, rounded to bf16 as the run computes with them, give the run's bf16 value
@@ -142,7 +143,7 @@ def test_bf16_run_exports_its_fp32_masters(files):
 def test_encoder_only(runs, files):
     d = runs["fsdp2"]
     path = export.export(str(d), encoder_only=True)
-    assert path == os.path.join(str(d), "model_step_0000005_encoder.pt")
+    assert path == os.path.join(str(d), "model_step_0000008_encoder.pt")
     obj = torch.load(path, map_location="cpu", weights_only=True)
     full = files["fsdp2"][1]["model"]
     assert obj["encoder_only"] is True
@@ -171,8 +172,8 @@ def test_tags_and_bad_input(runs, files, tmp_path):
     for tag in ("step_0000003", "step_3", "3", 3):
         ckpt_dir, t, meta = export.find_checkpoint(d, tag)
         assert (ckpt_dir, t, meta["step"]) == (os.path.join(d, "ckpt"), "step_0000003", 3)
-    assert export.find_checkpoint(os.path.join(d, "ckpt"))[1] == "step_0000005"  # given OUT_DIR/ckpt itself
-    with pytest.raises(configurator.ConfigError, match="step_0000003, step_0000005"):
+    assert export.find_checkpoint(os.path.join(d, "ckpt"))[1] == "step_0000008"  # given OUT_DIR/ckpt itself
+    with pytest.raises(configurator.ConfigError, match="step_0000003, step_0000008"):
         export.find_checkpoint(d, "step_4")
     with pytest.raises(configurator.ConfigError, match="not a checkpoint tag"):
         export.find_checkpoint(d, "latest")
@@ -237,7 +238,7 @@ def test_cli(runs, tmp_path):
     # bad input: one line, exit 2, no traceback
     os.makedirs(tmp_path / "empty_run")
     for args, says in (((str(tmp_path / "empty_run"),), ("no complete checkpoint in", "COMPLETE marker")),
-                       ((str(runs["zero2"]), "--tag=4"), ("complete ones: step_0000003, step_0000005",)),
+                       ((str(runs["zero2"]), "--tag=4"), ("complete ones: step_0000003, step_0000008",)),
                        ((f"--check={runs['zero2'] / 'log.jsonl'}",), ("not a seismic-mae model file",))):
         r = cli(*args)
         assert r.returncode == 2, (args, r.returncode, r.stderr[-2000:])

@@ -1,22 +1,12 @@
-"""The main job, as a user runs it: bash launch.sh config/quickstart.py (2 CPU ranks)."""
+"""The main job, as a user runs it: bash launch.sh config/quickstart.py (2 CPU ranks; conftest.quickstart)."""
 import os
-import subprocess
 
-from conftest import ROOT, job_env, read_log, read_val
+from conftest import launch_quickstart, read_log, read_val
 import checkpoint
 
 
-def launch(*args):
-    env = job_env(PATH=os.path.dirname(__import__("sys").executable) + os.pathsep + os.environ["PATH"])
-    env.pop("OMP_NUM_THREADS")  # launch.sh splits the cores itself
-    return subprocess.run(["bash", "launch.sh", "config/quickstart.py", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-
-
-def test_quickstart_learns_evaluates_and_checkpoints(tmp_path):
-    store, out = str(tmp_path / "qs.mdio"), str(tmp_path / "out")
-    args = [f"--data_paths=['{store}']", f"--out_dir={out}"]
-    r = launch(*args)
+def test_quickstart_learns_evaluates_and_checkpoints(quickstart):
+    store, out, r = quickstart
     assert r.returncode == 0, r.stderr[-3000:]
     assert os.path.exists(os.path.join(store, "zarr.json"))  # the synthetic volume was created
     log = read_log(out)
@@ -31,6 +21,6 @@ def test_quickstart_learns_evaluates_and_checkpoints(tmp_path):
     assert sorted(os.listdir(os.path.join(out, "figures"))) == [
         "loss.png", "recon_step_0000000.png", "recon_step_0000250.png", "recon_step_0000500.png"]
     assert "evaluation took" in r.stdout
-    again = launch(*args)  # same command: finds the checkpoint, nothing left to do
+    again = launch_quickstart(f"--data_paths=['{store}']", f"--out_dir={out}")  # same command: nothing left to do
     assert again.returncode == 0 and "run already complete" in again.stdout
     assert [x["step"] for x in read_log(out)] == list(range(500))  # (asked for more, it resumes: test_launch.py)

@@ -76,9 +76,13 @@ def test_stop_and_resume_is_exact_even_past_a_damaged_checkpoint(small_store, tm
     # a run that is already complete resumes, does nothing, and leaves the checkpoint alone
     again = run_train(small_args(small_store, tmp_path / "part", **args), nproc=1)
     assert again.returncode == 0 and "run already complete" in again.stdout, again.stderr[-2000:]
-    # going on with another world size is a clear error (ZeRO shards are per rank), not a traceback
+    # going on with another global batch (1 rank with the same micro_batch: half of it) is a clear error before any
+    # work (test_elastic: the same batch on other ranks goes on exactly; allow_batch_change goes on by samples)
     other = run_train(small_args(small_store, tmp_path / "part", **{**args, "max_steps": 10}), nproc=1)
-    assert other.returncode == 2 and "written by 2 ranks and this job has 1" in other.stderr, other.stderr[-2000:]
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-2000:]
+    assert ("trained with global batch 8 (micro_batch 2 x grad_accum 2 x dp 2), and this run's is 4 (micro_batch 2 x "
+            "grad_accum 2 x dp 1): set micro_batch x grad_accum = 8 to continue the same run, or set "
+            "allow_batch_change=True") in other.stderr, other.stderr[-2000:]
     assert [s for s, _ in checkpoint.complete_checkpoints(str(ckpt))] == [6, 8]
     assert (ckpt / "damaged_step_0000004").is_dir()  # never deleted by the rotation
 

@@ -6,6 +6,11 @@ MAE_FAULT=die_in_checkpoint:STEP:RANK   that rank dies (exit 17) right after its
                                         written, before the checkpoint is marked complete: a node lost mid-write.
 MAE_FAULT=signal_in_checkpoint:STEP:RANK:SIG   that rank sends itself SIG (TERM, USR1) as its checkpoint shard for
                                         STEP starts being written: a stop signal that arrives mid-write.
+MAE_FAULT=die_in_conversion             rank 0 dies (exit 17) once DeepSpeed's ds_to_universal has written the whole
+                                        universal checkpoint into universal.tmp/, before it is flushed, marked and
+                                        renamed: a crash in the middle of an elastic resume's conversion.
+MAE_SAMPLES=DIR                         every training micro batch read appends its global sample ids to
+                                        DIR/rank<R>.jsonl.
 MAE_PROBE=DIR                           every forward appends to DIR/rank<R>.jsonl what reached the model: the
                                         batch's dtype and the kept token ids (after any strategy's input cast).
 MAE_MASTERS=FILE                        after setup, FILE (rank 0) gets the parameters whose fp32 master copy in
@@ -25,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import checkpoint  # noqa: E402
+import data  # noqa: E402
 import model  # noqa: E402
 import train  # noqa: E402
 
@@ -48,6 +55,27 @@ if fault[0] in ("die_in_checkpoint", "signal_in_checkpoint"):
         job.engine.save_checkpoint = save_checkpoint
         return job
     train.setup = setup
+
+if fault[0] == "die_in_conversion":
+    real_fsync_tree = checkpoint.fsync_tree
+
+    def fsync_tree(path):
+        if path.endswith("universal.tmp"):
+            os._exit(17)
+        return real_fsync_tree(path)
+    checkpoint.fsync_tree = fsync_tree
+
+samples = os.environ.get("MAE_SAMPLES")
+if samples:
+    real_batch = data.Sampler.batch
+
+    def batch(self, step, micro=0):
+        x, ids = real_batch(self, step, micro)
+        if self.stream == "train":
+            with open(os.path.join(samples, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, "ids": ids}) + "\n")
+        return x, ids
+    data.Sampler.batch = batch
 
 probe = os.environ.get("MAE_PROBE")
 if probe:

@@ -1,0 +1,41 @@
+# Growing the context, stage 1 of 2: ViT-G at 102,400 tokens per sample, the published team's starting length,
+# on the same model as the 1.18 M-token run (config/big_context.py), so that stage 2 starts from these weights
+# (init_from). Launch: bash launch.sh config/context_102k.py, then bash launch.sh config/context_1m.py.
+#
+# tokens:   (640/16) x (640/16) x (1024/16) = 40 x 40 x 64 = 102,400 tokens of 16^3 voxels; 25,600 visible
+# model:    ViT-G encoder (1664 wide, 48 deep, 16 heads of 104) + 512 x 8 decoder = 1.63 B params, as stage 2.
+#           Positions are fixed sin-cos of each token's grid coordinates: nothing learned depends on the grid, so
+#           the same weights run on stage 2's 96 x 96 x 128 grid (tokens there reach coordinates 96 and 128, which
+#           stage 1 never saw: the sin-cos of a larger coordinate is well defined, and stage 2 trains on them).
+# cluster:  16 nodes x 8 GPUs = 128 ranks, dp 128, no context parallelism (102,400 tokens fit one H200)
+# batch:    1 sample per GPU: global batch 128; lr = 1.5e-4 x 128 / 256 = 7.5e-5
+# planner (DRY_RUN=1 bash launch.sh config/context_102k.py): 1.41 PFLOP per sample; 27.6 GB per GPU with ZeRO-2
+#           and grad_ckpt (16.1 GB of it activations); ~36 samples/s on 128 H200 at 40 % MFU (~3.6 s per step)
+# schedule: 20,000 steps x 128 = 2.56 M samples, ~20 h at the planner's rate; a checkpoint every 500 steps
+out_dir = "out/context_102k"
+data_paths = ["s3://your-bucket/survey.mdio"]  # MDIO stores, >= 640 x 640 x 1024 each
+crop = (640, 640, 1024)
+patch = (16, 16, 16)
+model_size = "G"
+mask_ratio = 0.75
+norm_pix_loss = True
+grad_ckpt = True
+dtype = "bfloat16"
+strategy = "zero2"
+cp = 1
+mask_strata = 8  # masks stratified as under cp 8: a resume of this run on cp up to 8 keeps its masks (elastic resume)
+nodes = 16
+gpus_per_node = 8
+
+micro_batch = 1
+grad_accum = 1
+blr = 1.5e-4
+max_steps = 20000
+warmup_steps = 1000
+log_interval = 10
+ckpt_interval = 500
+
+in_flight = 64
+prefetch = 2
+align_crops = True
+min_live = 0.5
