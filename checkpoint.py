@@ -186,8 +186,8 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
     load_dir, load_tag = ckpt_dir, tag
     if universal:
         load_dir, load_tag = os.path.join(ckpt_dir, tag), os.path.basename(to_universal(ckpt_dir, tag, log))
-        log(f"resuming {ckpt_dir}/{tag} (written by {meta['world']} ranks) on {world} ranks from its universal "
-            f"checkpoint {load_dir}/{load_tag}")
+        log(f"resuming {ckpt_dir}/{tag} (written by {meta['world']} rank{'s' * (meta['world'] != 1)}) on {world} "
+            f"rank{'s' * (world != 1)} from its universal checkpoint {load_dir}/{load_tag}")
     from torch.distributed.checkpoint.api import CheckpointException  # DCP's: a BaseException, not an Exception
     if not why:
         try:

@@ -375,7 +375,7 @@ def check_launch(cfg):
         dt = None if cfg["dtype"] == "auto" else str(getattr(torch, cfg["dtype"]))
         checkpoint.check_compatible(meta, cfg, world, dt, f"{ckpt_dir}/{done[-1][1]}")
         print(f"resume: {ckpt_dir}/{done[-1][1]} fits this run" + (
-            "" if meta["world"] == world else f" (written by {meta['world']} ranks: " + (
+            "" if meta["world"] == world else f" (written by {meta['world']} rank{'s' * (meta['world'] != 1)}: " + (
                 "DCP reshards it on load)" if cfg["strategy"] == "fsdp2" else
                 "converted once, at start-up, to a universal checkpoint that any number of ranks loads)")))
     elif cfg["init_from"]:
