@@ -130,6 +130,21 @@ def local_params(engine):
             yield p
 
 
+def check_resumable(cfg, ckpt_dir):
+    """Refuse (ConfigError) what must not start in ckpt_dir: a new run (resume=False) where an earlier run's
+    checkpoints are, and any run where only checkpoints moved aside as damaged are left (starting again at step 0
+    there would look like a resume to an auto-resuming launcher). resume(), the dry run and init_from call it."""
+    done = complete_checkpoints(ckpt_dir)
+    if done and not cfg["resume"]:
+        raise configurator.ConfigError(f"{ckpt_dir} holds checkpoints of an earlier run and resume=False: use a new "
+                                       f"out_dir (mixing two runs' checkpoints in one directory is never safe)")
+    damaged = sorted(t for t in os.listdir(ckpt_dir) if t.startswith("damaged_")) if os.path.isdir(ckpt_dir) else []
+    if damaged and not done and cfg["resume"]:
+        raise configurator.ConfigError(f"{ckpt_dir} holds only checkpoints moved aside as damaged ({', '.join(damaged)})"
+                                       f": repair one and rename it back to step_N, or remove them to start again")
+    return done
+
+
 def resume(engine, cfg, ckpt_dir, world, dtype, log):
     """Load the newest complete checkpoint in ckpt_dir that loads into `engine` (all ranks; rank 0 chooses).
     Returns (the step to continue from, samples of the stream already trained on): (0, 0) when there is nothing
@@ -142,9 +157,7 @@ def resume(engine, cfg, ckpt_dir, world, dtype, log):
     deletes it: someone may repair it) and the ranks try the one before. Only when none loads is it an error:
     an auto-resuming launcher (HyperPod, sbatch --requeue) must not loop on one bad checkpoint."""
     dist = torch.distributed
-    if not cfg["resume"] and complete_checkpoints(ckpt_dir):
-        raise configurator.ConfigError(f"{ckpt_dir} holds checkpoints of an earlier run and resume=False: use a new "
-                                       f"out_dir (mixing two runs' checkpoints in one directory is never safe)")
+    check_resumable(cfg, ckpt_dir)
     # rank 0 lists the candidates and tells everyone: all ranks must try the same ones, in the same order
     done = [complete_checkpoints(ckpt_dir) if cfg["resume"] else []]
     dist.broadcast_object_list(done, src=0)
@@ -183,31 +196,20 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
     why, bad = (f"files that no longer read: {', '.join(bad[0])}" if bad[0] else None), bad[0]
     # another world size under ZeRO: DeepSpeed's universal checkpoint, converted once (FSDP2's DCP reshards itself)
     universal = not why and meta["world"] != world and cfg["strategy"] in ("zero2", "zero3")
-    load_dir, load_tag = ckpt_dir, tag
     if universal:
-        load_dir, load_tag = os.path.join(ckpt_dir, tag), os.path.basename(to_universal(ckpt_dir, tag, log))
         log(f"resuming {ckpt_dir}/{tag} (written by {meta['world']} rank{'s' * (meta['world'] != 1)}) on {world} "
-            f"rank{'s' * (world != 1)} from its universal checkpoint {load_dir}/{load_tag}")
-    from torch.distributed.checkpoint.api import CheckpointException  # DCP's: a BaseException, not an Exception
-    if not why:
-        try:
-            if universal:  # DeepSpeed's "checkpoint": {"load_universal": true}, for this one load
-                engine._config.load_universal_checkpoint = True
-            path, client = engine.load_checkpoint(load_dir, tag=load_tag)
-            why = None if path is not None and client is not None else "the engine found no checkpoint there"
-            if universal and cfg["strategy"] == "zero3" and not why:
-                _repair_zero3_universal_load(engine, os.path.join(load_dir, load_tag))
-        except (Exception, CheckpointException) as e:  # damage the look above cannot see (the unpickler, DCP...)
-            if isinstance(e, CheckpointException) and e.failures:  # DCP: every rank's failure, tracebacks in text
-                e = e.failures.get(dist.get_rank(), next(iter(e.failures.values())))[0]
-            why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
-        finally:
-            if universal:
-                engine._config.load_universal_checkpoint = False
-    # all ranks agree (a rank that loaded must not train alone); rank 0 learns every rank's reason
-    ok = torch.tensor([0.0 if why else 1.0], device=next(engine.module.parameters()).device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if ok.item() == 1.0:
+            f"rank{'s' * (world != 1)} through its universal checkpoint")
+    why, client = (why, None) if why else _load(engine, cfg, ckpt_dir, tag, universal, log)
+    ok = _agreed(engine, why)
+    if not ok and universal:  # the conversion is derived data: one that does not load (damaged since) is made again
+        if dist.get_rank() == 0:
+            log(f"the universal checkpoint of {ckpt_dir}/{tag} does not load ({why or 'on another rank'}): "
+                f"converting again")
+            shutil.rmtree(os.path.join(ckpt_dir, tag, "universal"), ignore_errors=True)
+        dist.barrier()
+        why, client = _load(engine, cfg, ckpt_dir, tag, universal, log)
+        ok = _agreed(engine, why)
+    if ok:
         log(f"resumed from {ckpt_dir}/{tag} (step {client['step']})")
         old_batch = global_batch(meta["config"], meta["world"])
         seen = client.get("samples_seen", client["step"] * old_batch)
@@ -230,6 +232,38 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
         fsync_dir(ckpt_dir)
     dist.barrier()
     return "damaged"
+
+
+def _load(engine, cfg, ckpt_dir, tag, universal, log):
+    """This rank loads checkpoint `tag` (through its universal conversion, made first if need be): (None, the
+    client state) or (why it did not load, None)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP's: a BaseException, not an Exception
+    load_dir, load_tag = ckpt_dir, tag
+    if universal:
+        load_dir, load_tag = os.path.join(ckpt_dir, tag), os.path.basename(to_universal(ckpt_dir, tag, log))
+    try:
+        if universal:  # DeepSpeed's "checkpoint": {"load_universal": true}, for this one load
+            engine._config.load_universal_checkpoint = True
+        path, client = engine.load_checkpoint(load_dir, tag=load_tag)
+        if path is None or client is None:
+            return "the engine found no checkpoint there", None
+        if universal and cfg["strategy"] == "zero3":
+            _repair_zero3_universal_load(engine, os.path.join(load_dir, load_tag))
+        return None, client
+    except (Exception, CheckpointException) as e:  # damage the cheap look cannot see (the unpickler, DCP...)
+        if isinstance(e, CheckpointException) and e.failures:  # DCP: every rank's failure, tracebacks in text
+            e = e.failures.get(torch.distributed.get_rank(), next(iter(e.failures.values())))[0]
+        return " ".join(f"{type(e).__name__}: {e}".split())[:200], None
+    finally:
+        if universal:
+            engine._config.load_universal_checkpoint = False
+
+
+def _agreed(engine, why):
+    """All ranks agree whether every rank loaded (a rank that loaded must not train alone): one MIN all-reduce."""
+    ok = torch.tensor([0.0 if why else 1.0], device=next(engine.module.parameters()).device)
+    torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)
+    return ok.item() == 1.0
 
 
 def on_rank_0(work):
@@ -258,7 +292,9 @@ def to_universal(ckpt_dir, tag, log):
 
     Published like a checkpoint: the converter writes universal.tmp/, every file is flushed, a COMPLETE marker goes
     in last and only then is the folder renamed to universal/. A crash part-way leaves universal.tmp/, which the
-    next launch removes and converts again; the checkpoint's own files are only read."""
+    next launch removes and converts again. Of the checkpoint's own files nothing is changed (the converter also
+    writes step_N/latest_universal, a pointer for its own loader, removed at once: a crash in between leaves that
+    small file, which nothing reads)."""
     src = os.path.join(ckpt_dir, tag)
     out = os.path.join(src, "universal")
 
@@ -277,10 +313,12 @@ def to_universal(ckpt_dir, tag, log):
             lines = [x for x in (r.stderr + r.stdout).splitlines() if x.strip()]
             raise configurator.ConfigError(
                 f"DeepSpeed's ds_to_universal could not convert {src} (exit {r.returncode}: "
-                f"{lines[-1] if lines else 'no output'}); the checkpoint itself is untouched: resume it on the "
-                f"number of ranks that wrote it")
+                f"{lines[-1] if lines else 'no output'}). The checkpoint's own files are untouched; they may be "
+                f"damaged in a way the file check before loading cannot see, or this DeepSpeed may not read them: "
+                f"resume it on the number of ranks that wrote it, or move it aside to resume from the one before")
         if os.path.exists(os.path.join(src, "latest_universal")):
             os.remove(os.path.join(src, "latest_universal"))  # the converter's pointer for its own loader: unused
+        shutil.rmtree(out, ignore_errors=True)  # one without COMPLETE (a partial copy): the rename needs the name
         fsync_tree(tmp)
         with open(os.path.join(tmp, "COMPLETE"), "w") as f:
             json.dump({"source": tag}, f)
@@ -296,10 +334,11 @@ def to_universal(ckpt_dir, tag, log):
 
 def _repair_zero3_universal_load(engine, folder):
     """Two flaws of DeepSpeed's ZeRO-3 universal loader (0.19.8, stage3.py, load_hp_checkpoint_state_from_checkpoint_
-    dir_stage3) with more than one parameter group, found by the elastic-resume tests (the run resumed on another
+    dir_stage3) with more than one parameter group or sub-group, found by the elastic-resume tests (the run resumed on another
     world size drifted from the uninterrupted one by 2.5e-4 two steps on; with these repairs it follows it exactly):
-      * it gives every group's state THE SAME `step` tensor, which AdamW increments in place once per group: with our
-        two groups (decay / no decay) the count ran twice as fast, and Adam's bias correction with it;
+      * it gives every group's state THE SAME `step` tensor, which AdamW increments in place once per group (and per
+        sub-group: ZeRO-3 steps a group of more than sub_group_size elements, 1e9, in parts): with our two groups
+        (decay / no decay) the count ran twice as fast, and Adam's bias correction with it;
       * it copies the first group's hyperparameters into every group, so the no-decay group (biases, norms, cls and
         mask tokens) got weight decay.
     Each group gets its own step tensor back, and its own hyperparameters from the converted optimizer_state.pt."""
@@ -343,7 +382,7 @@ def check_compatible(meta, cfg, world, dtype, where):
                 f"checkpoint {where} was trained with {key}={was[key]!r}, this run has {now[key]!r}: "
                 f"set it back to resume, or use another out_dir to start a new run{hint}")
     old, new = global_batch(meta["config"], meta["world"]), global_batch(cfg, world)
-    if old != new and not cfg.get("allow_batch_change"):
+    if old != new and not cfg.get("allow_batch_change") and not cfg.get("eval_only"):  # (evaluation: any batch)
         c = meta["config"]
         raise configurator.ConfigError(
             f"checkpoint {where} was trained with global batch {old} (micro_batch {c['micro_batch']} x grad_accum "

@@ -352,7 +352,10 @@ def init_source(path):
     a model file (this file's format; an encoder-only one too) or a run's out_dir (its newest complete checkpoint).
     train.py's dry run and setup call it before any work."""
     if os.path.isdir(path):
-        ckpt_dir, tag, meta = find_checkpoint(path)
+        try:
+            ckpt_dir, tag, meta = find_checkpoint(path)
+        except configurator.ConfigError as e:
+            raise configurator.ConfigError(f"init_from={path!r}: {e}") from None
         return meta["config"], f"{ckpt_dir}/{tag} (step {meta['step']})"
     if not os.path.exists(path):
         raise configurator.ConfigError(f"init_from={path!r}: no such file or directory; give a model file (python "

@@ -279,7 +279,8 @@ def setup(cfg):
     # ---- warm start (init_from): trained weights into the plain model, before a strategy shards it or copies them
     # into its fp32 masters. Only a new run: one with checkpoints of its own resumes them (a requeued job goes on).
     if cfg["init_from"]:
-        if cfg["resume"] and checkpoint.complete_checkpoints(os.path.join(cfg["out_dir"], "ckpt")):
+        # rank 0's view of out_dir, so that every rank takes the same branch (and resume=False is refused first)
+        if checkpoint.on_rank_0(lambda: checkpoint.check_resumable(cfg, os.path.join(cfg["out_dir"], "ckpt"))):
             job.log(f"init_from={cfg['init_from']} not used: {cfg['out_dir']} has checkpoints of its own to resume")
         else:
             src = cfg["init_from"]
@@ -365,10 +366,7 @@ def check_launch(cfg):
     # the checkpoint this run would resume from must fit it: refused here, before torchrun starts any rank (dtype
     # 'auto' is left to the ranks: this host may not be the kind of machine they run on)
     ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
-    done = checkpoint.complete_checkpoints(ckpt_dir)
-    if done and not cfg["resume"]:
-        raise configurator.ConfigError(f"{ckpt_dir} holds checkpoints of an earlier run and resume=False: use a new "
-                                       f"out_dir (mixing two runs' checkpoints in one directory is never safe)")
+    done = checkpoint.check_resumable(cfg, ckpt_dir)
     if done:
         with open(os.path.join(ckpt_dir, done[-1][1], "COMPLETE")) as f:
             meta = json.load(f)
@@ -377,7 +375,9 @@ def check_launch(cfg):
         print(f"resume: {ckpt_dir}/{done[-1][1]} fits this run" + (
             "" if meta["world"] == world else f" (written by {meta['world']} rank{'s' * (meta['world'] != 1)}: " + (
                 "DCP reshards it on load)" if cfg["strategy"] == "fsdp2" else
-                "converted once, at start-up, to a universal checkpoint that any number of ranks loads)")))
+                "its universal checkpoint, which any number of ranks loads, " + (
+                    "is there)" if os.path.exists(os.path.join(ckpt_dir, done[-1][1], "universal", "COMPLETE")) else
+                    "is made once, at start-up)"))))
     elif cfg["init_from"]:
         src, what = export.init_source(cfg["init_from"])
         export.check_init(src, cfg, cfg["init_from"])

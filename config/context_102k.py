@@ -2,7 +2,8 @@
 # on the same model as the 1.18 M-token run (config/big_context.py), so that stage 2 starts from these weights
 # (init_from). Launch: bash launch.sh config/context_102k.py, then bash launch.sh config/context_1m.py.
 #
-# tokens:   (640/16) x (640/16) x (1024/16) = 40 x 40 x 64 = 102,400 tokens of 16^3 voxels; 25,600 visible
+# tokens:   (640/16) x (640/16) x (1024/16) = 40 x 40 x 64 = 102,400 tokens of 16^3 voxels; 25,599 visible
+#           (mask_strata 8: 8 strata x 3,200 encoder tokens, one of them the cls token)
 # model:    ViT-G encoder (1664 wide, 48 deep, 16 heads of 104) + 512 x 8 decoder = 1.63 B params, as stage 2.
 #           Positions are fixed sin-cos of each token's grid coordinates: nothing learned depends on the grid, so
 #           the same weights run on stage 2's 96 x 96 x 128 grid (tokens there reach coordinates 96 and 128, which

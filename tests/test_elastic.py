@@ -71,7 +71,8 @@ def test_a_crash_mid_conversion_leaves_the_checkpoint_whole_and_the_next_launch_
                                                                                              strategy_runs, tmp_path):
     """Rank 0 dies once ds_to_universal has written the universal checkpoint into universal.tmp/, before it is
     flushed, marked and renamed. The checkpoint's own files are byte for byte what they were, nothing was trained, and
-    the next launch removes the leftover, converts again and resumes on the trajectory."""
+    the next launch removes the leftover, converts again and resumes on the trajectory. (That launch also meets a
+    published universal/ damaged since: it does not load, so it is made again rather than the checkpoint given up.)"""
     src = strategy_runs["zero2"][0]
     d = tmp_path / "run"
     copy_checkpoint(src, "step_0000003", d)
@@ -83,8 +84,14 @@ def test_a_crash_mid_conversion_leaves_the_checkpoint_whole_and_the_next_launch_
     assert (ck / "universal.tmp" / "zero").is_dir() and not (ck / "universal").exists()
     assert digest(ck) == before and checkpoint.complete_checkpoints(str(d / "ckpt")) == [(3, "step_0000003")]
     assert not (d / "log.jsonl").exists()
+    # and a published conversion damaged since (a truncated file): the load fails, the conversion is made again
+    shutil.copytree(ck / "universal.tmp", ck / "universal")
+    (ck / "universal" / "COMPLETE").write_text("{}")
+    f = ck / "universal" / "zero" / "blocks.0.qkv.weight" / "fp32.pt"
+    os.truncate(f, f.stat().st_size // 2)
     again = run_train(args, nproc=1)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert f"the universal checkpoint of {ck} does not load" in again.stdout, again.stdout[-3000:]
     assert "converting" in again.stdout and f"resumed from {ck} (step 3)" in again.stdout, again.stdout[-2000:]
     assert not (ck / "universal.tmp").exists() and (ck / "universal" / "COMPLETE").exists()
     assert digest(ck) == before
