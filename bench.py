@@ -478,6 +478,7 @@ def bench_data(argv):
     import tempfile
 
     import data
+    import synthetic
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
     from s3_util import MotoS3
 
@@ -490,7 +491,7 @@ def bench_data(argv):
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "vol.mdio")
         ch = opts["chunk"]
-        data.write_mdio(path, data.synthetic_volume(opts["shape"], seed=1), chunks=(ch, ch, ch))
+        synthetic.write_mdio(path, synthetic.synthetic_volume(opts["shape"], seed=1), chunks=(ch, ch, ch))
         chunk_bytes = ch ** 3 * 4
         c = opts["crop"]
         rng = np.random.default_rng(0)  # chunk-aligned crops: c^3 / ch^3 chunks each
@@ -548,7 +549,7 @@ def bench_data(argv):
             table(rows, ["store", "reader", "in flight", "seconds", "GB/s", "emulated limit GB/s", "vs zarr"])
             # the quickstart, reading from the loopback S3 endpoint on 2 ranks
             qs = os.path.join(d, "qs.mdio")
-            data.write_mdio(qs, data.synthetic_volume((128, 128, 256), seed=0), chunks=(32, 32, 128))  # as quickstart
+            synthetic.write_mdio(qs, synthetic.synthetic_volume((128, 128, 256), seed=0), chunks=(32, 32, 128))  # as quickstart
             qs_url = moto.upload_dir(qs, "bench", "quickstart.mdio")
             run_dir = os.path.join(d, "run")
             env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")

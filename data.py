@@ -1,13 +1,9 @@
 """
 Seismic volumes in, training samples out.
 
-  1. synthetic_volume()      a seismic-like volume: layered reflectivity with dips, folds and a fault,
-                             convolved with a Ricker wavelet, plus noise, with a patch of dead traces
-  2. write_mdio()            writes a volume as a Zarr v3 store in the MDIO v1 layout, as the official
-                             `multidimio` library does (group attrs, `amplitude` with dims
-                             inline/crossline/time, `statsV1`, `trace_mask`, coordinate arrays)
-  3. Volume                  one opened store: shape, per-volume statistics, read a normalised crop
-  4. Sampler                 random crops from one or more stores. A sample is a pure function of
+  (synthetic.py writes the quickstart's synthetic volume as an MDIO store)
+  1. Volume                  one opened store: shape, per-volume statistics, read a normalised crop
+  2. Sampler                 random crops from one or more stores. A sample is a pure function of
                              (seed, global sample index), and the global index a function of
                              (step, micro step, dp_rank, position in the micro batch): so a resumed run
                              reads exactly what an uninterrupted run would have read, and 1 rank with
@@ -38,118 +34,7 @@ class DataError(ValueError):
 
 
 # -----------------------------------------------------------------------------
-# 1. a synthetic seismic volume
-
-
-def ricker(f_peak, dt, n=None):
-    """Ricker wavelet (the classic zero-phase seismic pulse) with peak frequency f_peak Hz, step dt s."""
-    n = n or int(2.0 / (f_peak * dt)) | 1  # about 2 periods long, odd length so it is centred
-    t = (np.arange(n) - n // 2) * dt
-    a = (np.pi * f_peak * t) ** 2
-    return (1 - 2 * a) * np.exp(-a)
-
-
-def synthetic_volume(shape, seed=0, dt=0.004, f_peak=25.0, snr=8.0, dead_frac=0.02):
-    """A seismic-like float32 volume of `shape` = (inline, crossline, time).
-
-    Geology first, then physics:
-      * a 1D reflectivity series in "geologic time" tau: blocky impedance layers, reflectivity = the
-        relative impedance change at each layer boundary;
-      * structure maps every voxel (i, j, t) to the tau it images: a regional dip along both lateral
-        axes, folds whose amplitude grows with depth, and one normal fault plane across which the deeper
-        block is thrown down;
-      * the reflectivity sampled at tau(i, j, t), convolved along time with a Ricker wavelet;
-      * Gaussian noise at signal-to-noise ratio `snr` (by RMS), and a rectangular patch of dead traces
-        (NaN, as MDIO stores missing traces) covering about `dead_frac` of the lateral area."""
-    ni, nx, nt = shape
-    rng = np.random.default_rng(seed)
-    # reflectivity on a fine tau grid (4 x oversampled) long enough for every shift below
-    over, n_tau = 4, 3 * nt
-    n_fine = n_tau * over
-    thickness = rng.integers(2 * over, 12 * over, size=n_fine)  # layer thickness in fine samples
-    bounds = np.cumsum(thickness)
-    bounds = bounds[bounds < n_fine]
-    log_imp = np.cumsum(rng.normal(0, 0.15, size=len(bounds)))  # impedance random walk, log scale
-    refl_fine = np.zeros(n_fine)
-    refl_fine[bounds[1:]] = np.diff(log_imp) / 2  # r = (Z2 - Z1) / (Z2 + Z1) ~ d(ln Z) / 2
-    # structure: tau(i, j, t) in samples
-    i = np.arange(ni)[:, None, None]
-    j = np.arange(nx)[None, :, None]
-    t = np.arange(nt)[None, None, :]
-    dip_i, dip_j = rng.uniform(-0.15, 0.15, size=2)  # samples per trace
-    lam_i, lam_j = rng.uniform(0.6, 1.5, size=2) * max(ni, nx)
-    fold = rng.uniform(2, 6) * (t / nt) * np.sin(2 * np.pi * i / lam_i) * np.cos(2 * np.pi * j / lam_j)
-    tau = nt + t + dip_i * i + dip_j * j + fold
-    # a normal fault: plane through the volume centre, dipping in time; the far side is thrown down
-    a, b = rng.uniform(-1, 1, size=2)
-    side = a * (i - ni / 2) + b * (j - nx / 2) + 0.5 * (t - nt / 2) * max(ni, nx) / nt > 0
-    tau = tau - side * rng.uniform(4, 10)
-    # convolve the reflectivity with the wavelet once, on the fine tau grid (the wavelet sampled at
-    # dt / over), then read the band-limited trace at every voxel's tau. Interpolating a smooth trace
-    # keeps reflectors continuous from trace to trace; interpolating the spikes would not.
-    trace = np.convolve(refl_fine, ricker(f_peak, dt / over), mode="same")
-    vol = np.interp(tau.ravel() * over, np.arange(n_fine), trace).reshape(ni, nx, nt)
-    vol += rng.normal(0, vol.std() / snr, size=vol.shape)
-    vol = (vol * 1000).astype(np.float32)  # field data come in arbitrary units; normalisation undoes it
-    # dead traces: a rectangle near one corner
-    if dead_frac > 0:
-        di, dj = max(1, int(ni * dead_frac ** 0.5)), max(1, int(nx * dead_frac ** 0.5))
-        vol[:di, nx - dj:, :] = np.nan
-    return vol
-
-
-# -----------------------------------------------------------------------------
-# 2. write a volume as an MDIO v1 store (Zarr v3)
-
-
-def volume_stats(vol):
-    """MDIO's statsV1: count, sum, sumSquares, min, max (+ empty histogram), over live samples that are not
-    exactly zero, as multidimio computes them (zeros are taken as padding; f3.sgy has 5,748 of 31,050)."""
-    live = vol[np.isfinite(vol) & (vol != 0)].astype(np.float64)
-    return {"count": int(live.size), "sum": float(live.sum()), "sumSquares": float((live ** 2).sum()),
-            "min": float(live.min()), "max": float(live.max()), "histogram": {"counts": [], "binCenters": []}}
-
-
-def write_mdio(path, vol, chunks=(64, 64, 64), first_inline=1, first_crossline=1, dt_ms=4):
-    """Write `vol` (inline, crossline, time), NaN = dead trace, as a local MDIO v1 store at `path`.
-    Written to `path + '.tmp'` then renamed, so a crash never leaves a half-written store behind, and
-    an existing store is never overwritten."""
-    if os.path.exists(path):
-        raise DataError(f"{path!r} already exists; remove it first or write elsewhere (stores are never overwritten)")
-    ni, nx, nt = vol.shape
-    tmp = path.rstrip("/") + f".tmp{os.getpid()}"
-    root = zarr.open_group(tmp, mode="w", zarr_format=3)
-    root.attrs.update({"apiVersion": "1.1.3", "name": "PostStack3DTime",
-                       "attributes": {"surveyType": "3D", "gatherType": "stacked",
-                                      "defaultVariableName": "amplitude"}})
-    blosc = zarr.codecs.BloscCodec(cname="zstd", clevel=5, shuffle="shuffle")
-    amp = root.create_array("amplitude", shape=vol.shape, chunks=tuple(min(c, s) for c, s in zip(chunks, vol.shape)),
-                            dtype="float32", fill_value=float("nan"), compressors=blosc,
-                            dimension_names=["inline", "crossline", "time"])
-    amp[:] = vol
-    amp.attrs["statsV1"] = json.dumps(volume_stats(vol))
-    live = np.isfinite(vol).any(axis=2)
-    mask = root.create_array("trace_mask", shape=live.shape, chunks=live.shape, dtype="bool", fill_value=False,
-                             dimension_names=["inline", "crossline"])
-    mask[:] = live
-    for name, n, start, step in [("inline", ni, first_inline, 1), ("crossline", nx, first_crossline, 1),
-                                 ("time", nt, 0, dt_ms)]:
-        c = root.create_array(name, shape=(n,), chunks=(n,), dtype="int32", dimension_names=[name])
-        c[:] = start + step * np.arange(n, dtype=np.int32)
-    os.rename(tmp, path)
-    return path
-
-
-def ensure_synthetic(path, shape, seed=0, chunks=(64, 64, 64)):
-    """Create the synthetic store at `path` unless it already exists (the quickstart calls this)."""
-    if not os.path.exists(os.path.join(path, "zarr.json")):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        write_mdio(path, synthetic_volume(shape, seed=seed), chunks=chunks)
-    return path
-
-
-# -----------------------------------------------------------------------------
-# 3. one opened volume
+# 1. one opened volume
 
 
 class ReadOptions:
@@ -384,7 +269,7 @@ class Volume:
 
 
 # -----------------------------------------------------------------------------
-# 4. the sampler
+# 2. the sampler
 
 
 def split_inline(vol, part, crop_inline):

@@ -35,6 +35,7 @@ import evaluate
 import export
 import ring_attention
 import strategies
+import synthetic
 from model import MODELS
 
 # -----------------------------------------------------------------------------
@@ -250,7 +251,7 @@ def setup(cfg):
 
     # ---- data. Rank 0 creates the quickstart's synthetic store; everyone waits, then opens it.
     if cfg["make_synthetic"] and rank == 0:
-        data.ensure_synthetic(cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"],
+        synthetic.ensure_synthetic(cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"],
                               chunks=cfg["synthetic_chunks"])
     dist.barrier()
     opts = data.ReadOptions(in_flight=cfg["in_flight"], retries=cfg["read_retries"], timeout_s=cfg["read_timeout_s"],

@@ -9,7 +9,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import data  # noqa: E402
+import synthetic  # noqa: E402
 
 # The venv's tools first on PATH, for every process the tests start: DeepSpeed JIT-builds a small op with the first
 # `ninja` on PATH, and two ninja versions (the venv's, from pip, and the system's) take each other's build log for a
@@ -58,7 +58,7 @@ def read_val(out_dir):
 def small_store(tmp_path_factory):
     """A 48 x 32 x 64 synthetic volume with dead traces, as an MDIO v1 store in 16^3 chunks."""
     path = str(tmp_path_factory.mktemp("data") / "small.mdio")
-    data.write_mdio(path, data.synthetic_volume((48, 32, 64), seed=3), chunks=(16, 16, 16))
+    synthetic.write_mdio(path, synthetic.synthetic_volume((48, 32, 64), seed=3), chunks=(16, 16, 16))
     return path
 
 

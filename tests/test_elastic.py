@@ -131,7 +131,8 @@ def test_dp2_resumed_as_cp2_and_a_changed_batch_going_on_by_samples_seen(small_s
 def test_init_from_a_quickstart_model_on_twice_the_lateral_crop(quickstart, tmp_path):
     """The quickstart's model (16 x 16 x 64 crops) starts a run on 32 x 32 x 64 crops of the same volume: its first
     training and validation losses are far below a cold start's on the same samples. The model file and the out_dir
-    give the same weights (the out_dir's checkpoint exported by rank 0 of 2). A relaunch resumes the run's own
+    give the same weights (the out_dir's checkpoint exported by rank 0 of 2); an encoder-only file sets the encoder
+    and leaves the decoder fresh. A relaunch resumes the run's own
     checkpoint and leaves init_from alone; another patch or width is a clear error before any work."""
     store, out, r = quickstart
     assert r.returncode == 0, r.stderr[-3000:]
@@ -154,6 +155,9 @@ def test_init_from_a_quickstart_model_on_twice_the_lateral_crop(quickstart, tmp_
     assert fromdir.returncode == 0, fromdir.stderr[-3000:]
     assert (tmp_path / "fromdir" / "init_from.pt").exists()
     assert abs(dir_val - warm_val) <= 1e-6 * warm_val, (dir_val, warm_val)  # validation does not depend on dp
+    encoder = export.export(out, out=str(tmp_path / "encoder.pt"), encoder_only=True)  # the decoder starts fresh
+    enc, _, _ = run("encoder", f"--init_from={encoder}")
+    assert enc.returncode == 0 and "the encoder of a tiny MAE" in enc.stdout and "decoder starts fresh" in enc.stdout
     again = run_train(base + [f"--out_dir={tmp_path / 'warm'}", f"--init_from={model_file}", "--max_steps=3"])
     assert again.returncode == 0 and "not used" in again.stdout and "(step 2)" in again.stdout, again.stdout[-2000:]
     # another patch: the run's own check, before any work; another width: the dry run's (launch.sh's pre-flight)

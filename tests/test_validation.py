@@ -15,6 +15,7 @@ import data
 import evaluate
 import model as M
 import reconstruct
+import synthetic
 import train
 from conftest import read_log, read_val, run_train, small_args
 from dist_util import run_ranks
@@ -28,7 +29,7 @@ def test_training_and_validation_crops_never_overlap(small_store, tmp_path):
     lies in the first inlines, every validation crop in the held-out last val_frac, and each stream is a function
     of (seed, index) alone."""
     other = str(tmp_path / "other.mdio")
-    data.write_mdio(other, data.synthetic_volume((40, 24, 48), seed=1), chunks=(12, 12, 16))
+    synthetic.write_mdio(other, synthetic.synthetic_volume((40, 24, 48), seed=1), chunks=(12, 12, 16))
     crop = (8, 8, 16)
     for align in (False, True):
         kw = dict(crop=crop, seed=4, align=align)
@@ -142,7 +143,7 @@ def test_val_paths_hold_out_whole_stores(small_store, tmp_path):
     applied (here 0.9 would leave training 5 of the small store's 48 inlines, fewer than a crop: an error if it
     were), and the validation crops come from the other store."""
     other = str(tmp_path / "held_out.mdio")
-    data.write_mdio(other, data.synthetic_volume((16, 16, 32), seed=9), chunks=(16, 16, 16))
+    synthetic.write_mdio(other, synthetic.synthetic_volume((16, 16, 32), seed=9), chunks=(16, 16, 16))
     r = run_train(small_args(small_store, tmp_path / "out", max_steps=3, val_paths=[other], val_frac=0.9), nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [s for s, _ in read_val(tmp_path / "out")] == [0, 3]
