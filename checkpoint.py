@@ -267,22 +267,23 @@ def _agreed(engine, why):
 
 
 def on_rank_0(work):
-    """All ranks: work() runs on rank 0 while the others wait; returns its result (picklable) on every rank, and a
-    ConfigError on rank 0 is raised on every rank. The others wait on a gloo group of their own with a long timeout:
-    the work (converting or exporting the state of 1.6 B parameters) takes minutes, longer than a training
-    collective should ever be allowed to hang. Any other failure ends rank 0, and the launcher then ends the rest."""
+    """All ranks: work() runs on rank 0 while the others wait; returns its result (picklable) on every rank. Bad input
+    found there (a ValueError: ConfigError, data.DataError) is raised on every rank as it was. The others wait on a
+    gloo group of their own with a long timeout: the work (converting or exporting the state of 1.6 B parameters,
+    indexing a library of stores) takes minutes, longer than a training collective should ever be allowed to hang.
+    Any other failure ends rank 0, and the launcher then ends the rest."""
     dist = torch.distributed
     wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))  # (collective: before the work)
     box = [None, None]
     if dist.get_rank() == 0:
         try:
             box[0] = work()
-        except configurator.ConfigError as e:
-            box[1] = str(e)
+        except ValueError as e:
+            box[1] = e
     dist.broadcast_object_list(box, src=0, group=wait)
     dist.destroy_process_group(wait)
-    if box[1]:
-        raise configurator.ConfigError(box[1])
+    if box[1] is not None:
+        raise box[1]
     return box[0]
 
 

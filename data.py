@@ -1,9 +1,11 @@
 """
 Seismic volumes in, training samples out.
 
-  (synthetic.py writes the quickstart's synthetic volume as an MDIO store)
+  (synthetic.py writes the quickstart's synthetic volume as an MDIO store; library.py finds and indexes stores)
   1. Volume                  one opened store: shape, per-volume statistics, read a normalised crop
-  2. Sampler                 random crops from one or more stores. A sample is a pure function of
+  2. Sampler                 random crops from one or more stores (URLs, or library.py's records: opened
+                             when first needed, a bounded number kept open), each store drawn by its live
+                             volume (or uniformly, or by a manifest's weights). A sample is a pure function of
                              (seed, global sample index), and the global index a function of
                              (step, micro step, dp_rank, position in the micro batch): so a resumed run
                              reads exactly what an uninterrupted run would have read, and 1 rank with
@@ -53,7 +55,7 @@ class ReadOptions:
         self.anon, self.endpoint_url, self.storage_options = anon, endpoint_url, dict(storage_options or {})
 
 
-def _storage_options(url, opts):
+def storage_options(url, opts):
     """fsspec options for `url`. For s3:// the HTTP connection pool is sized to the requests in flight
     (botocore's default of 10 would silently cap concurrency) and the timeouts are bounded."""
     so = dict(opts.storage_options)
@@ -83,7 +85,7 @@ def open_node(url, opts, store=None):
     elif store is None:
         import fsspec
         try:
-            fs, path = fsspec.url_to_fs(url, asynchronous=True, **_storage_options(url, opts))
+            fs, path = fsspec.url_to_fs(url, asynchronous=True, **storage_options(url, opts))
             if url.startswith("s3://"):
                 # one layer of retries, ours (bounded, with jitter, naming the chunk): s3fs's own loop and
                 # botocore's would multiply with it, turning a dead endpoint into minutes of silent waiting
@@ -113,7 +115,7 @@ def open_node(url, opts, store=None):
 
 def _bucket_exists(url, opts):
     import fsspec
-    fs = fsspec.filesystem("s3", **_storage_options(url, opts))
+    fs = fsspec.filesystem("s3", **storage_options(url, opts))
     try:
         return fs.exists(url[len("s3://"):].split("/")[0])
     except Exception:
@@ -147,8 +149,10 @@ class Volume:
     data/chunked_012, root mean/std, metadata/live_mask), or a plain 3D Zarr array (stats from its
     attributes mean/std if present, else estimated from a few chunks)."""
 
-    def __init__(self, url, opts=None, store=None):
-        self.url, self.opts, self.store = url, opts or ReadOptions(), store
+    def __init__(self, url, opts=None, store=None, record=None):
+        # record: the store's manifest line, when it was indexed: its statistics are used (a plain array's are not
+        # estimated again), and a store that has changed since is an error
+        self.url, self.opts, self.store, self.record = url, opts or ReadOptions(), store, record
         # a stuck request gives up after timeout_s and is retried. zarr's config is process-wide: set once
         # here, not per request (a config.set context per chunk costs more than the chunk's own work)
         zarr.config.set({"async.timeout": self.opts.timeout_s})
@@ -156,6 +160,11 @@ class Volume:
         with_retries(self._open, self.opts, f"opening {url!r}",
                      permanent=(PermissionError, FileNotFoundError, DataError, zarr.errors.BaseZarrError))
         self.shape, self.chunks = tuple(self.arr.shape), tuple(self.arr.chunks)
+        if record is not None and (list(self.shape) != list(record["shape"]) or
+                                   list(self.chunks) != list(record["chunks"])):
+            raise DataError(f"{url!r} has shape {self.shape} in chunks {self.chunks}, but its manifest line says "
+                            f"{tuple(record['shape'])} in {tuple(record['chunks'])}: the store changed since it was "
+                            f"indexed; index it again (python data.py index ... --out MANIFEST)")
         self.bytes_read = 0  # voxel bytes delivered (uncompressed), for the GB/s in the log
 
     def _open(self):
@@ -163,13 +172,13 @@ class Volume:
         node = open_node(url, self.opts, self.store)
         self.trace_mask = None
         if isinstance(node, zarr.Array):  # a plain array
-            self.arr = node
+            self.arr, self.format = node, "zarr"
             self._check_3d(url)
             a = node.attrs
-            self.mean, self.std = (_stats_from(a["mean"], a["std"], url) if "mean" in a and "std" in a
-                                   else self._estimate_stats())
+            self.mean, self.std = (_stats_from(a["mean"], a["std"], url) if "mean" in a and "std" in a else
+                                   (self.record["mean"], self.record["std"]) if self.record else self._estimate_stats())
         elif "data" in node and "chunked_012" in node["data"]:  # MDIO v0
-            self.arr = node["data"]["chunked_012"]
+            self.arr, self.format = node["data"]["chunked_012"], "mdio_v0"
             self._check_3d(url)
             a = node.attrs
             if "mean" not in a or "std" not in a:
@@ -182,7 +191,7 @@ class Volume:
             if name not in node:
                 raise DataError(f"{url!r} has no variable {name!r}: expected an MDIO store with a 3D {name!r} "
                                 f"array (or set data_paths to the array itself)")
-            self.arr = node[name]
+            self.arr, self.format = node[name], "mdio_v1"
             self._check_3d(url)
             stats = self.arr.attrs.get("statsV1")
             if stats is None:
@@ -194,6 +203,13 @@ class Volume:
                                                   url)
             if "trace_mask" in node:
                 self.trace_mask = np.asarray(node["trace_mask"][:], dtype=bool)
+
+    def describe(self):
+        """This store's manifest line (library.py): what sampling needs, so that a run need not open it at start-up."""
+        live = 1.0 if self.trace_mask is None else float(self.trace_mask.mean())
+        return {"url": self.url, "format": self.format, "shape": list(self.shape), "chunks": list(self.chunks),
+                "dtype": str(self.arr.dtype), "mean": self.mean, "std": self.std, "live_fraction": live,
+                "bytes": int(math.prod(self.shape)) * self.arr.dtype.itemsize}
 
     def _check_3d(self, url):
         if self.arr.ndim != 3:
@@ -272,13 +288,30 @@ class Volume:
 # 2. the sampler
 
 
-def split_inline(vol, part, crop_inline):
-    """The inline range [lo, hi) of `vol` that crops of `part` lie in. part None: the whole axis. ("train", f)
+def store_weights(records, inline, how):
+    """How often each store is drawn: "uniform" (equally), "volume" (in proportion to its live voxels in the part of
+    it crops are drawn from: live fraction x inline range x crosslines x samples), "manifest" (each record's
+    "weight")."""
+    if how == "uniform":
+        return [1.0] * len(records)
+    if how == "volume":
+        return [r["live_fraction"] * (hi - lo) * r["shape"][1] * r["shape"][2] for r, (lo, hi) in zip(records, inline)]
+    if how == "manifest":
+        bad = [r["url"] for r in records if not isinstance(r.get("weight"), (int, float)) or r["weight"] < 0]
+        if bad:
+            raise DataError(f"sample_weighting='manifest' but {len(bad)} store(s) have no usable weight (first: "
+                            f"{bad[0]!r}): give every manifest line a \"weight\" >= 0, or sample_weighting='volume'")
+        return [float(r["weight"]) for r in records]
+    raise DataError(f"sample_weighting must be 'volume', 'uniform' or 'manifest', got {how!r}")
+
+
+def split_inline(rec, part, crop_inline):
+    """The inline range [lo, hi) of the store `rec` (its record) that crops of `part` lie in. part None: the whole axis. ("train", f)
     and ("val", f): the last round(n * f) inline planes are held out for validation, the rest is training's:
         n = 128, f = 0.25  ->  training crops in [0, 96), validation crops in [96, 128)
     A crop lies wholly inside its range, so no training crop ever touches a validation voxel. Either range too
     short for a crop is an error now, naming the volume and what to change."""
-    n = vol.shape[0]
+    n = rec["shape"][0]
     if part is None:
         return 0, n
     which, frac = part
@@ -290,7 +323,7 @@ def split_inline(vol, part, crop_inline):
                    f"held-out stores in val_paths")
         else:
             fix = f"lower val_frac (at most {(n - crop_inline) / n:.3g} leaves room), lower crop[0], or use val_paths"
-        raise DataError(f"{vol.url!r} has {n} inlines; val_frac={frac} leaves inlines [{lo}, {hi}) = {hi - lo} for "
+        raise DataError(f"{rec['url']!r} has {n} inlines; val_frac={frac} leaves inlines [{lo}, {hi}) = {hi - lo} for "
                         f"{'validation' if which == 'val' else 'training'}, fewer than a crop's {crop_inline}: {fix}")
     return lo, hi
 
@@ -314,8 +347,13 @@ def _draw(rng, lo, hi, c, ch, align):
 
 
 class Sampler:
-    """Random crops of shape `crop` from `paths`. Every rank constructs the same Sampler; batch() picks
+    """Random crops of shape `crop` from `stores`. Every rank constructs the same Sampler; batch() picks
     the samples that belong to (step, micro, dp_rank), and reads this rank's CP slab of each.
+      stores        store URLs (opened now) and manifest records (expand()'s list; opened when a sample first
+                    needs them). At most max_open stores are kept open (least recently used closed first), so
+                    memory stays flat however many stores the library holds; shapes, chunks and statistics come
+                    from the records.
+      weighting     how often each store is drawn (store_weights: "uniform", "volume", "manifest")
       align         place crops so that they touch the fewest chunks: along an axis where the crop is at
                     least a chunk, the origin sits on a chunk boundary (640 x 640 x 1024 in 128^3 chunks:
                     200 chunks aligned, up to 324 not); where it is smaller, the crop lies inside one chunk
@@ -323,23 +361,40 @@ class Sampler:
       min_live      skip crops whose live-trace fraction (trace_mask under the crop) is below this
       opts          ReadOptions: requests in flight, retries, timeouts, S3 access"""
 
-    def __init__(self, paths, crop, seed=0, micro_batch=1, dp_rank=0, dp_size=1, grad_accum=1, cp_rank=0,
-                 cp_size=1, align=False, min_live=0.0, opts=None, part=None, stream="train"):
+    def __init__(self, stores, crop, seed=0, micro_batch=1, dp_rank=0, dp_size=1, grad_accum=1, cp_rank=0,
+                 cp_size=1, align=False, min_live=0.0, opts=None, part=None, stream="train", weighting="uniform",
+                 max_open=64):
+        import threading
+        from collections import OrderedDict
         from concurrent.futures import ThreadPoolExecutor
-        if isinstance(paths, str):
-            paths = [paths]
+        if isinstance(stores, str):
+            stores = [stores]
         self.opts = opts or ReadOptions()
-        self.volumes = [Volume(p, self.opts) for p in paths]
+        # the open stores: index -> Future of a Volume (a store is opened once even when several threads want it)
+        self._open, self._lock, self.max_open = OrderedDict(), threading.Lock(), max(1, max_open)
+        self.records = []
+        for x in stores:
+            if isinstance(x, dict):
+                self.records.append(x)
+            else:  # a URL: open it now (as every run did before manifests), and keep it open while there is room
+                vol = Volume(x, self.opts)
+                self.records.append(vol.describe())
+                self._keep(len(self.records) - 1, vol)
         self.crop = tuple(crop)
-        for v in self.volumes:
-            if any(c > s for c, s in zip(self.crop, v.shape)):
-                raise DataError(f"crop {self.crop} is larger than the volume {v.shape} of {v.url!r}: choose a "
-                                f"crop no larger than every volume along each axis")
+        for r in self.records:
+            if any(c > s for c, s in zip(self.crop, r["shape"])):
+                raise DataError(f"crop {self.crop} is larger than the volume {tuple(r['shape'])} of {r['url']!r}: "
+                                f"choose a crop no larger than every volume along each axis")
         # part: None (whole volumes) or ("train" | "val", val_frac): the inline range [lo, hi) of each volume that
         # this sampler's crops lie in (split_inline). stream: "train" or "val", which random stream the crops and
         # masks come from, so that validation sample i is the same whatever the training run around it.
         self.part, self.stream = part, stream
-        self.inline = [split_inline(v, part, self.crop[0]) for v in self.volumes]
+        self.inline = [split_inline(r, part, self.crop[0]) for r in self.records]
+        w = store_weights(self.records, self.inline, weighting) if len(self.records) > 1 else [1.0]
+        if not sum(w) > 0:
+            raise DataError(f"sample_weighting={weighting!r} gives every store weight 0 (no live traces?)")
+        self.weighting, self.cum = weighting, np.cumsum(np.asarray(w, dtype=np.float64) / sum(w))
+        self.bytes = 0  # voxel bytes delivered by this sampler (uncompressed), for the GB/s in the log
         self.seed, self.micro_batch, self.grad_accum = seed, micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
         # where step 0 would start in the stream: 0, unless a resumed run changed its global batch (train.py sets it
@@ -367,21 +422,63 @@ class Sampler:
         alone (training: key [seed, g]; validation: [seed, g, 2], another stream). Crops below min_live are
         redrawn from the same random stream, so every rank and every resume agrees."""
         rng = np.random.default_rng([self.seed, g] + ([2] if self.stream == "val" else []))
+        n = len(self.records)
         for _ in range(1000):
-            v = int(rng.integers(len(self.volumes)))
-            vol = self.volumes[v]
-            ranges = [self.inline[v]] + [(0, s) for s in vol.shape[1:]]  # the held-out split is along inline
-            origin = [_draw(rng, lo, hi, c, ch, self.align) for (lo, hi), c, ch in zip(ranges, self.crop, vol.chunks)]
-            if self.min_live <= 0 or vol.live_fraction(origin, self.crop) >= self.min_live:
+            if n == 1:  # (draws nothing: one store's stream is what it was before there were weights)
+                v = 0
+            elif self.weighting == "uniform":
+                v = int(rng.integers(n))
+            else:
+                v = min(int(np.searchsorted(self.cum, rng.random(), side="right")), n - 1)
+            r = self.records[v]
+            ranges = [self.inline[v]] + [(0, s) for s in r["shape"][1:]]  # the held-out split is along inline
+            origin = [_draw(rng, lo, hi, c, ch, self.align) for (lo, hi), c, ch in zip(ranges, self.crop, r["chunks"])]
+            if self.min_live <= 0 or self.volume(v).live_fraction(origin, self.crop) >= self.min_live:
                 return v, tuple(origin)
         raise DataError(f"no crop of {self.crop} with a live-trace fraction >= {self.min_live} found in 1000 draws: "
                         f"lower min_live or check the stores' trace masks")
+
+    def volume(self, v):
+        """Store v, opened (at most once, by whichever thread needs it first; kept among the max_open most recently
+        used). A store that has gone since it was indexed fails here, at its first read, naming it: never skipped,
+        never zeros."""
+        from concurrent.futures import Future
+        with self._lock:
+            fut = self._open.get(v)
+            mine = fut is None
+            if mine:
+                fut = self._open[v] = Future()
+                while len(self._open) > self.max_open:
+                    self._open.popitem(last=False)  # (a thread still reading it keeps its own reference)
+            else:
+                self._open.move_to_end(v)
+        if not mine:
+            return fut.result()
+        try:
+            fut.set_result(Volume(self.records[v]["url"], self.opts, record=self.records[v]))
+        except BaseException as e:
+            fut.set_exception(e)
+            with self._lock:
+                self._open.pop(v, None)  # the next sample that needs it tries again
+        return fut.result()
+
+    def _keep(self, v, vol):
+        from concurrent.futures import Future
+        fut = Future()
+        fut.set_result(vol)
+        with self._lock:
+            self._open[v] = fut
+            while len(self._open) > self.max_open:
+                self._open.popitem(last=False)
 
     def sample(self, g):
         """This rank's slab of global sample g."""
         v, origin = self.locate(g)
         origin = (origin[0] + self.cp_rank * self.slab[0],) + origin[1:]
-        return self.volumes[v].read(origin, self.slab, pool=self.pool)
+        x = self.volume(v).read(origin, self.slab, pool=self.pool)
+        with self._lock:
+            self.bytes += x.nbytes
+        return x
 
     def read(self, ids):
         """(len(ids), 1, crop[0] / cp, crop[1], crop[2]) float32 tensor: this rank's slabs of samples `ids`."""
@@ -393,7 +490,7 @@ class Sampler:
         return self.read(ids), ids
 
     def bytes_read(self):
-        return sum(v.bytes_read for v in self.volumes)
+        return self.bytes
 
     def close(self):
         self.sample_pool.shutdown(wait=True)

@@ -104,7 +104,7 @@ def on_job(job, step, log_file):
     if job.rank == 0 and cfg["figures"]:
         fig_dir = os.path.join(cfg["out_dir"], "figures")
         v, origin = job.val_sampler.locate(0)
-        store = os.path.basename(job.val_sampler.volumes[v].url.rstrip("/"))
+        store = os.path.basename(job.val_sampler.records[v]["url"].rstrip("/"))
         title = reconstruct.figure_title(f"validation sample 0: {store}, crop {tuple(cfg['crop'])} at {origin}", step,
                                          per[0], 1 - job.model.n_keep() / job.model.L, cfg["norm_pix_loss"])
         fig = reconstruct.recon_figure(os.path.join(fig_dir, f"recon_step_{step:07d}.png"), slices, origin, title)

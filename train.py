@@ -33,6 +33,7 @@ import configurator
 import data
 import evaluate
 import export
+import library
 import ring_attention
 import strategies
 import synthetic
@@ -42,7 +43,10 @@ from model import MODELS
 # config: defaults (config/*.py files and --key=value override them; see configurator.py)
 # I/O
 out_dir = "out/quickstart"  # logs and checkpoints
-data_paths = ["data/quickstart.mdio"]  # MDIO v1/v0 stores or 3D Zarr arrays: local paths, s3://, any fsspec URL
+data_paths = ["data/quickstart.mdio"]  # MDIO v1/v0 stores or 3D Zarr arrays (local, s3://, any fsspec URL), glob
+#                                        patterns (s3://bucket/library/*.mdio) and @manifests (python data.py index)
+sample_weighting = "volume"  # volume: a store drawn by its live voxels | uniform | manifest (each line's "weight")
+max_open_stores = 64  # stores kept open per rank (least recently used closed first): flat memory for any library
 make_synthetic = False  # create a synthetic volume at data_paths[0] if it does not exist (quickstart)
 synthetic_shape = (128, 128, 256)  # (inline, crossline, time) of that synthetic volume
 synthetic_chunks = (64, 64, 64)  # its Zarr chunks
@@ -81,7 +85,7 @@ strategy = "zero2"  # zero2 (DeepSpeed ZeRO-2) | zero3 (DeepSpeed ZeRO-3) | fsdp
 zero_bucket = int(5e8)  # DeepSpeed's gradient bucket, in elements (its default): GPU memory vs. fewer collectives
 zero3_max_live = int(1e9)  # ZeRO-3: weights reused within this many elements stay gathered; caps prefetch too
 # validation (evaluate.py) and figures (reconstruct.py)
-val_paths = []  # held-out stores (local, s3://); empty: hold out the last val_frac of each training volume's inlines
+val_paths = []  # held-out stores (as data_paths; also manifest lines with split "val"); none: the last val_frac
 val_frac = 0.1  # inline fraction of each training volume held out (when val_paths is empty); 0 = no validation
 eval_interval = 100  # steps between evaluations (also one before the first step and one after the last)
 eval_samples = 16  # fixed validation samples: crops and masks are functions of (seed, validation index) only
@@ -154,9 +158,11 @@ def validate(cfg):
             except ValueError as e:
                 raise configurator.ConfigError(f"model_size {cfg['model_size']!r} with cp={cp}: {e}") from None
     need(0.0 <= cfg["min_live"] <= 1.0, f"min_live must be in [0, 1], got {cfg['min_live']}")
+    need(cfg["sample_weighting"] in ("volume", "uniform", "manifest"),
+         f"sample_weighting must be 'volume', 'uniform' or 'manifest', got {cfg['sample_weighting']!r}")
     need(cfg["ckpt_write_gbps"] > 0 and cfg["stop_lead_s"] >= 0, "ckpt_write_gbps must be > 0 and stop_lead_s >= 0")
     for key in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval", "keep_ckpts", "in_flight",
-                "prefetch", "zero_bucket", "zero3_max_live"):
+                "prefetch", "zero_bucket", "zero3_max_live", "max_open_stores"):
         need(cfg[key] >= 1, f"{key} must be >= 1, got {cfg[key]}")
     need(cfg["dtype"] in ("auto", "float32", "bfloat16"), f"dtype must be auto|float32|bfloat16, got {cfg['dtype']!r}")
     need(cfg["strategy"] in ("zero2", "zero3", "fsdp2"), f"strategy must be zero2|zero3|fsdp2, got {cfg['strategy']!r}")
@@ -256,18 +262,29 @@ def setup(cfg):
     dist.barrier()
     opts = data.ReadOptions(in_flight=cfg["in_flight"], retries=cfg["read_retries"], timeout_s=cfg["read_timeout_s"],
                             anon=cfg["s3_anon"], endpoint_url=cfg["s3_endpoint"] or None)
-    # held out: the val_paths stores, or else the last val_frac of every training volume's inline axis
-    held_out = not cfg["val_paths"] and cfg["val_frac"] > 0
-    job.sampler = data.Sampler(cfg["data_paths"], cfg["crop"], seed=cfg["seed"], micro_batch=cfg["micro_batch"],
-                               dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"],
-                               cp_rank=job.cp_rank, cp_size=cp, align=cfg["align_crops"], min_live=cfg["min_live"],
-                               opts=opts, part=("train", cfg["val_frac"]) if held_out else None)
+    # the stores: globs expanded, manifests read, plain URLs opened and described, by rank 0 alone; every rank gets
+    # the records and opens a store only when a sample needs it (library.py, data.Sampler)
+    t0 = time.time()
+    stores, val_stores = checkpoint.on_rank_0(
+        lambda: (library.index(cfg["data_paths"], opts, in_flight=cfg["in_flight"]),
+                 library.index(cfg["val_paths"], opts, in_flight=cfg["in_flight"]) if cfg["val_paths"] else []))
+    # held out: the val_paths stores and the manifests' split="val" ones, or else the last val_frac of every
+    # training volume's inline axis
+    val_stores += [r for r in stores if r.get("split") == "val"]
+    stores = [r for r in stores if r.get("split") != "val"]
+    if not stores:
+        raise data.DataError(f"data_paths {cfg['data_paths']} hold only split='val' stores: nothing to train on")
+    job.log(f"data: {len(stores)} training store(s), {len(val_stores)} held-out; indexed in {time.time() - t0:.1f} s")
+    held_out = not val_stores and cfg["val_frac"] > 0
+    sampling = dict(crop=cfg["crop"], seed=cfg["seed"], micro_batch=cfg["micro_batch"], cp_rank=job.cp_rank,
+                    cp_size=cp, align=cfg["align_crops"], min_live=cfg["min_live"], opts=opts,
+                    weighting=cfg["sample_weighting"], max_open=cfg["max_open_stores"])
+    job.sampler = data.Sampler(stores, dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"],
+                               part=("train", cfg["val_frac"]) if held_out else None, **sampling)
     job.val_sampler = None
-    if cfg["val_paths"] or held_out:
-        job.val_sampler = data.Sampler(cfg["val_paths"] or cfg["data_paths"], cfg["crop"], seed=cfg["seed"],
-                                       micro_batch=cfg["micro_batch"], cp_rank=job.cp_rank, cp_size=cp,
-                                       align=cfg["align_crops"], min_live=cfg["min_live"], opts=opts,
-                                       part=("val", cfg["val_frac"]) if held_out else None, stream="val")
+    if val_stores or held_out:
+        job.val_sampler = data.Sampler(val_stores or stores, part=("val", cfg["val_frac"]) if held_out else None,
+                                       stream="val", **sampling)
 
     # ---- model and optimizer. Same init on every rank (seeded), as data parallelism requires.
     torch.manual_seed(cfg["seed"])

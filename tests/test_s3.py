@@ -113,7 +113,7 @@ def test_bad_s3_input_is_a_clear_error(s3, tmp_path):
 
 def test_aligned_crops_and_live_fraction(small_store):
     s = data.Sampler([small_store], (16, 16, 32), align=True, min_live=1.0)  # chunks (16, 16, 16)
-    vol = s.volumes[0]
+    vol = s.volume(0)
     for g in range(50):
         _, origin = s.locate(g)
         assert all(o % c == 0 for o, c in zip(origin, vol.chunks))  # crop >= chunk: on boundaries

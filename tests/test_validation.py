@@ -42,7 +42,7 @@ def test_training_and_validation_crops_never_overlap(small_store, tmp_path):
             assert 0 <= o[0] and o[0] + crop[0] <= bound[v], (align, v, o)
             seen_t.add((v, o[0]))
             v, o = va.locate(g)
-            assert bound[v] <= o[0] and o[0] + crop[0] <= tr.volumes[v].shape[0], (align, v, o)
+            assert bound[v] <= o[0] and o[0] + crop[0] <= tr.records[v]["shape"][0], (align, v, o)
             seen_v.add((v, o[0]))
         # the draws cover their ranges (a sampler stuck at one origin would pass the checks above)
         assert {v for v, _ in seen_t} == {v for v, _ in seen_v} == {0, 1}

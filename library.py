@@ -1,0 +1,172 @@
+"""
+A library of surveys: thousands of MDIO/Zarr stores, found by glob patterns and indexed once into a manifest, so that
+a run opens none of them at start-up (data.Sampler opens a store when a sample first needs it, and keeps a bounded
+number open).
+
+    python library.py index 's3://bucket/library/*.mdio' --out s3://bucket/library/index.jsonl
+    bash launch.sh CONFIG --data_paths="['@s3://bucket/library/index.jsonl']"
+
+data_paths (and val_paths) entries are store URLs, glob patterns and @manifests (local or any fsspec URL). The
+manifest holds one JSON line per store with what sampling needs:
+    {"url": ..., "format": "mdio_v1" | "mdio_v0" | "zarr", "shape": [ni, nx, nt], "chunks": [...], "dtype": "float32",
+     "mean": ..., "std": ..., "live_fraction": live traces / all traces, "bytes": voxel bytes uncompressed,
+     optional "split": "train" | "val", optional "weight": a number (sample_weighting="manifest")}
+Without a manifest, train.py has rank 0 index data_paths at start-up (index(): globs expanded, stores opened many at
+once) and hands the records to every rank.
+"""
+import json
+import time
+
+from data import DataError, ReadOptions, Volume, storage_options
+
+
+RECORD_KEYS = ("url", "format", "shape", "chunks", "dtype", "mean", "std", "live_fraction", "bytes")
+
+
+def _fs(url, opts):
+    import fsspec
+    return fsspec.url_to_fs(url, **storage_options(url, opts))
+
+
+def read_manifest(url, opts=None, cut_short_ok=False):
+    """The store records of a manifest (local path or fsspec URL). A line that is not a record is a DataError naming
+    the manifest, the line and the fix; so is a manifest that cannot be read. cut_short_ok: a last line that is not
+    a record is dropped (an index that crashed mid-line; index() goes on from the rest)."""
+    opts = opts or ReadOptions()
+    try:
+        fs, path = _fs(url, opts)
+        with fs.open(path, "r") as f:
+            lines = f.read().splitlines()
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read manifest {url!r} ({type(e).__name__}: {e}): write one with "
+                        f"python data.py index PATTERN... --out MANIFEST") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            missing = [k for k in RECORD_KEYS if k not in r] if isinstance(r, dict) else list(RECORD_KEYS)
+            if missing:
+                raise ValueError(f"missing {missing}")
+            if len(r["shape"]) != 3 or len(r["chunks"]) != 3 or r.get("split", "train") not in ("train", "val"):
+                raise ValueError("shape and chunks need 3 numbers, split is 'train' or 'val'")
+        except ValueError as e:
+            if cut_short_ok and n == len(lines):
+                continue
+            raise DataError(f"manifest {url!r} line {n} is not a store record ({e}): {line[:120]!r}; write manifests "
+                            f"with python data.py index, or give each line the keys {list(RECORD_KEYS)}") from None
+        out.append(r)
+    if not out and not cut_short_ok:
+        raise DataError(f"manifest {url!r} lists no store")
+    return out
+
+
+def expand(entries, opts=None):
+    """data_paths as the sampler takes them: plain store URLs (str) as they are, glob patterns as the sorted stores
+    they match (str), and @manifests as their records (dict). A pattern that matches nothing is a DataError."""
+    opts = opts or ReadOptions()
+    out = []
+    for e in entries:
+        if e.startswith("@"):
+            out.extend(read_manifest(e[1:], opts))
+        elif any(ch in e for ch in "*?["):
+            fs, path = _fs(e, opts)
+            proto = e.split("://", 1)[0] + "://" if "://" in e else ""
+            found = sorted(proto + p if proto and not p.startswith(proto) else p for p in fs.glob(path.rstrip("/")))
+            if not found:
+                raise DataError(f"data path pattern {e!r} matches nothing: check the prefix and the pattern (a store "
+                                f"is a folder: s3://bucket/library/*.mdio)")
+            out.extend(found)
+        else:
+            out.append(e)
+    return out
+
+
+def index(entries, opts=None, out=None, in_flight=16, log=None, extra=None):
+    """Records for `entries` (expand()'s: URLs are opened and described, records kept), opened `in_flight` at a time.
+    Returns them in the order of `entries`. extra: keys to add to each new line (split, weight).
+    out: the manifest file to write. A local one gets each store's line appended (and flushed) as soon as it is
+    done, so an index that crashed goes on where it stopped: stores already there are not opened again, and a last
+    line cut short is dropped. At the end the manifest is rewritten whole, in the order of `entries` (then any
+    other stores it already held), under a temporary name and renamed: the same patterns give the same file, and
+    the same file gives the same samples. An object store cannot append: there it is only written at the end."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    opts = opts or ReadOptions()
+    items = expand(entries, opts)
+    done = {r["url"]: r for r in read_manifest(out, opts, cut_short_ok=True)} if out and _exists(out, opts) else {}
+    todo = [u for u in dict.fromkeys(x for x in items if isinstance(x, str)) if u not in done]
+    local = out is not None and ("://" not in out or out.startswith("file://"))
+    f = _fs(out, opts)[0].open(_fs(out, opts)[1], "a") if local and todo else None
+    lock = threading.Lock()
+
+    def one(url):
+        r = {**Volume(url, opts).describe(), **(extra or {})}
+        if f is not None:
+            with lock:
+                f.write(json.dumps(r) + "\n")
+                f.flush()
+        if log:
+            log(f"indexed {url}: {r['shape']} {r['format']}, live {r['live_fraction']:.2f}")
+        return r
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, in_flight)) as pool:
+            done.update(zip(todo, pool.map(one, todo)))
+    finally:
+        if f is not None:
+            f.close()
+    records = [x if isinstance(x, dict) else done[x] for x in items]
+    if out is not None:
+        ours = {r["url"] for r in records}
+        text = "".join(json.dumps(r) + "\n" for r in records + [r for u, r in done.items() if u not in ours])
+        fs, path = _fs(out, opts)
+        tmp = path + ".tmp" if local else path
+        with fs.open(tmp, "w") as g:
+            g.write(text)
+        if local:
+            fs.mv(tmp, path)
+    return records
+
+
+def _exists(url, opts):
+    fs, path = _fs(url, opts)
+    return fs.exists(path)
+
+
+# -----------------------------------------------------------------------------
+# the index command
+
+
+def main(argv):
+    """python library.py index PATTERN... --out MANIFEST: one manifest line per store (section 2), many stores opened at
+    once, appended as each is done: run it again after a crash and it goes on (a local manifest; one on s3:// is
+    written whole at the end). Prints one line per store and the manifest's path last."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="library.py", description="index a library of MDIO/Zarr stores into a manifest")
+    ap.add_argument("command", choices=["index"])
+    ap.add_argument("patterns", nargs="+", help="stores, glob patterns (s3://bucket/library/*.mdio), @manifests")
+    ap.add_argument("--out", required=True, help="the manifest (local path or s3://...), JSON lines")
+    ap.add_argument("--in_flight", type=int, default=32, help="stores opened at once (default 32)")
+    ap.add_argument("--split", choices=["train", "val"], default=None, help="mark these stores (default: none)")
+    ap.add_argument("--weight", type=float, default=None, help="each store's weight (sample_weighting='manifest')")
+    ap.add_argument("--s3_anon", action="store_true", help="anonymous S3 (public buckets)")
+    ap.add_argument("--s3_endpoint", default=None, help="S3-compatible endpoint URL")
+    a = ap.parse_args(argv)
+    extra = {k: v for k, v in (("split", a.split), ("weight", a.weight)) if v is not None}
+    opts = ReadOptions(in_flight=a.in_flight, anon=a.s3_anon, endpoint_url=a.s3_endpoint)
+    t0 = time.time()
+    records = index(a.patterns, opts, out=a.out, in_flight=a.in_flight, log=print, extra=extra)
+    print(f"{len(records)} stores, {sum(r['bytes'] for r in records) / 1e9:.2f} GB of voxels, indexed in "
+          f"{time.time() - t0:.1f} s")
+    print(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
