@@ -5,6 +5,7 @@ The measured numbers. Each subcommand prints a table, then one JSON line as the 
     python bench.py attention [--n=16384] [--ranks=2] [--only=ring] full SDPA vs ring vs torch CP, per rank
     python bench.py gpu-check                                      the ring's CUDA op path, on a GPU
     python bench.py data [--latency_ms=20] [--crops=128]           our reader vs a plain zarr read; S3 training
+    python bench.py library [--stores=(100,1000)]                  start-up and memory per rank vs library size
     python bench.py plan CONFIG [--key=value ...]                  will it fit and how fast: the analytic planner
     python bench.py strategies CONFIG [--key=value ...]            zero2 vs zero3 vs fsdp2 on 2 ranks here
 
@@ -575,6 +576,84 @@ def bench_data(argv):
     return out
 
 
+def _library_worker(argv):
+    """One rank's start-up over a library (bench_library), in a process of its own so that its memory is its own:
+    argv = [manifest or url-list file, how ("manifest" | "list"), latency_s, in_flight]. Prints one JSON line."""
+    import library
+    import data
+    src, how, lat, in_flight = argv[0], argv[1], float(argv[2]), int(argv[3])
+    real = data.open_node
+
+    def open_node(url, opts, store=None):  # every request of a local store waits `lat` first, as an S3 GET would
+        return real(url, opts, store if store is not None or "://" in url else _latency_store(url, lat))
+    data.open_node = open_node
+    rss = lambda: int(next(x for x in open("/proc/self/status") if x.startswith("VmRSS")).split()[1]) / 1024  # noqa
+    base = rss()
+    opts = data.ReadOptions(in_flight=in_flight)
+    t = time.perf_counter()
+    if how == "manifest":
+        time.sleep(lat)  # the manifest itself: one GET
+        stores = library.expand(["@" + src], opts)
+    elif how == "list-index":  # the list today: rank 0 indexes it, many stores opened at once
+        stores = library.index(json.load(open(src)), opts, in_flight=in_flight)
+    else:  # the list before manifests: every rank opened every store, one after another
+        stores = json.load(open(src))
+    sampler = data.Sampler(stores, (16, 16, 32), micro_batch=8, weighting="volume", opts=opts)
+    startup = time.perf_counter() - t
+    for step in range(16):  # 128 samples: up to 64 stores opened and kept (max_open_stores)
+        sampler.batch(step)
+    sampler.close()
+    print(json.dumps({"startup_s": round(startup, 3), "rss_mib": round(rss() - base, 1), "open": len(sampler._open)}))
+
+
+def bench_library(argv):
+    """Start-up and memory per rank against the number of stores (library.py): N small MDIO stores (32 x 32 x 64) on
+    local disk behind an emulated latency per request (20 ms: an S3 GET's time to first byte; opening a store takes
+    13 requests). Start-up: until the rank's sampler exists. Three ways: a manifest (one file read; stores opened
+    when a sample needs them), the list as train.py treats it now (rank 0 indexes it, in_flight stores at a time,
+    and hands the records on), and the list as every rank opened it before (serially: only up to --old stores, it
+    grows by 13 x 20 ms per store). Memory: the rank's resident growth after start-up and 128 samples."""
+    import subprocess
+    import tempfile
+
+    import library
+    import synthetic
+    opts = {"latency_ms": 20.0, "stores": (100, 1000), "in_flight": 32, "old": 100}
+    import configurator
+    configurator.apply(opts, argv)
+    lat = opts["latency_ms"] / 1000
+    out, rows = {"bench": "library", "latency_ms": opts["latency_ms"]}, []
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as d:
+        vols = [synthetic.synthetic_volume((32, 32, 64), seed=i) for i in range(8)]
+        urls = []
+        for i in range(max(opts["stores"])):
+            urls.append(synthetic.write_mdio(os.path.join(d, f"s{i:05d}.mdio"), vols[i % 8], chunks=(32, 32, 64)))
+        for n in opts["stores"]:
+            manifest, listing = os.path.join(d, f"index_{n}.jsonl"), os.path.join(d, f"list_{n}.json")
+            library.index(urls[:n], out=manifest, in_flight=32)  # made once, beforehand (no latency)
+            json.dump(urls[:n], open(listing, "w"))
+            for how, src in (("manifest", manifest), ("list-index", listing), ("list-serial", listing)):
+                if how == "list-serial" and n > opts["old"]:
+                    continue
+                r = subprocess.run([sys.executable, os.path.join(here, "bench.py"), "_library_worker", src, how,
+                                    str(lat), str(opts["in_flight"])], capture_output=True, text=True, cwd=here,
+                                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+                if r.returncode != 0:
+                    raise SystemExit(f"library worker failed: {r.stderr[-2000:]}")
+                res = json.loads(r.stdout.strip().splitlines()[-1])
+                rows.append([n, how, f"{res['startup_s']:.2f}", f"{res['rss_mib']:.0f}", res["open"]])
+                key = {"manifest": "manifest", "list-index": "list", "list-serial": "list_serial"}[how]
+                out[f"startup_s_{key}_{n}"] = res["startup_s"]
+                if how == "manifest":
+                    out[f"rss_mib_{n}"] = res["rss_mib"]
+    print(f"start-up per rank over a library of small stores, {opts['latency_ms']:.0f} ms per request emulated; "
+          f"list-index: rank 0 indexes {opts['in_flight']} stores at a time (the other ranks wait for it); memory: "
+          f"resident growth after start-up and 128 samples (at most 64 stores open)")
+    table(rows, ["stores", "start-up", "seconds", "RSS MiB", "open after"])
+    return out
+
+
 # -----------------------------------------------------------------------------
 # plan: an analytic model of one training step on a GPU cluster. Memory per GPU under each strategy,
 # activations with and without checkpointing, FLOPs, ring traffic, S3 bandwidth, predicted samples/s.
@@ -1129,8 +1208,11 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["_memory_worker"]:  # one rank of memory_check
         _memory_worker(sys.argv[2:])
         sys.exit(0)
+    if sys.argv[1:2] == ["_library_worker"]:  # one rank's start-up of bench_library
+        _library_worker(sys.argv[2:])
+        sys.exit(0)
     cmds = {"strategies": bench_strategies, "plan": bench_plan, "step": bench_step, "attention": bench_attention, "gpu-check": gpu_check, "data": bench_data,
-            "bf16": bench_bf16}
+            "library": bench_library, "bf16": bench_bf16}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(f"usage: python bench.py {{{'|'.join(cmds)}}} [CONFIG] [--key=value ...]", file=sys.stderr)
         sys.exit(2)
