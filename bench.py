@@ -573,6 +573,8 @@ def bench_data(argv):
             out["data_wait_frac"] = round(wait, 4)
         finally:
             moto.stop()
+    print()
+    out.update({k: v for k, v in bench_library([]).items() if k != "bench"})  # start-up and memory vs library size
     return out
 
 

@@ -104,7 +104,7 @@ def save(engine, ckpt_dir, step, client_state, keep, rank):
     dist.barrier()
     if rank == 0:
         meta = {"step": step, "world": dist.get_world_size(), "dtype": client_state.get("dtype"),
-                "config": client_state["config"]}
+                "config": client_state["config"], "stores": client_state.get("stores")}
         with open(os.path.join(path, "COMPLETE.tmp"), "w") as f:
             json.dump(meta, f)
             f.flush()

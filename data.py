@@ -160,11 +160,14 @@ class Volume:
         with_retries(self._open, self.opts, f"opening {url!r}",
                      permanent=(PermissionError, FileNotFoundError, DataError, zarr.errors.BaseZarrError))
         self.shape, self.chunks = tuple(self.arr.shape), tuple(self.arr.chunks)
-        if record is not None and (list(self.shape) != list(record["shape"]) or
-                                   list(self.chunks) != list(record["chunks"])):
-            raise DataError(f"{url!r} has shape {self.shape} in chunks {self.chunks}, but its manifest line says "
-                            f"{tuple(record['shape'])} in {tuple(record['chunks'])}: the store changed since it was "
-                            f"indexed; index it again (python data.py index ... --out MANIFEST)")
+        if record is not None:  # the store must still be the one indexed
+            now, then = self.describe(), record
+            differ = [k for k in ("shape", "chunks", "format", "dtype") if now[k] != then[k]] + [
+                k for k in ("mean", "std") if not math.isclose(now[k], then[k], rel_tol=1e-6)]
+            if differ:
+                raise DataError(f"{url!r} has {', '.join(f'{k} {now[k]}' for k in differ)}, but its manifest line says "
+                                f"{', '.join(f'{k} {then[k]}' for k in differ)}: the store changed since it was "
+                                f"indexed; index it again (python library.py index ... --out MANIFEST)")
         self.bytes_read = 0  # voxel bytes delivered (uncompressed), for the GB/s in the log
 
     def _open(self):
@@ -394,6 +397,7 @@ class Sampler:
         if not sum(w) > 0:
             raise DataError(f"sample_weighting={weighting!r} gives every store weight 0 (no live traces?)")
         self.weighting, self.cum = weighting, np.cumsum(np.asarray(w, dtype=np.float64) / sum(w))
+        self.cum[-1] = 1.0  # (rounding must not leave a gap above the last store)
         self.bytes = 0  # voxel bytes delivered by this sampler (uncompressed), for the GB/s in the log
         self.seed, self.micro_batch, self.grad_accum = seed, micro_batch, grad_accum
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -459,7 +463,8 @@ class Sampler:
         except BaseException as e:
             fut.set_exception(e)
             with self._lock:
-                self._open.pop(v, None)  # the next sample that needs it tries again
+                if self._open.get(v) is fut:
+                    del self._open[v]  # the next sample that needs it tries again
         return fut.result()
 
     def _keep(self, v, vol):

@@ -39,7 +39,7 @@ def read_manifest(url, opts=None, cut_short_ok=False):
             lines = f.read().splitlines()
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read manifest {url!r} ({type(e).__name__}: {e}): write one with "
-                        f"python data.py index PATTERN... --out MANIFEST") from None
+                        f"python library.py index PATTERN... --out MANIFEST") from None
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -49,13 +49,18 @@ def read_manifest(url, opts=None, cut_short_ok=False):
             missing = [k for k in RECORD_KEYS if k not in r] if isinstance(r, dict) else list(RECORD_KEYS)
             if missing:
                 raise ValueError(f"missing {missing}")
-            if len(r["shape"]) != 3 or len(r["chunks"]) != 3 or r.get("split", "train") not in ("train", "val"):
-                raise ValueError("shape and chunks need 3 numbers, split is 'train' or 'val'")
+            if not all(isinstance(r[k], list) and len(r[k]) == 3 and all(isinstance(x, int) and x > 0 for x in r[k])
+                       for k in ("shape", "chunks")):
+                raise ValueError("shape and chunks need 3 positive integers each")
+            if not all(isinstance(r[k], (int, float)) for k in ("mean", "std", "live_fraction", "bytes")):
+                raise ValueError("mean, std, live_fraction and bytes must be numbers")
+            if r.get("split", "train") not in ("train", "val") or not isinstance(r["url"], str):
+                raise ValueError("url is a string, split is 'train' or 'val'")
         except ValueError as e:
             if cut_short_ok and n == len(lines):
                 continue
             raise DataError(f"manifest {url!r} line {n} is not a store record ({e}): {line[:120]!r}; write manifests "
-                            f"with python data.py index, or give each line the keys {list(RECORD_KEYS)}") from None
+                            f"with python library.py index, or give each line the keys {list(RECORD_KEYS)}") from None
         out.append(r)
     if not out and not cut_short_ok:
         raise DataError(f"manifest {url!r} lists no store")
@@ -70,7 +75,7 @@ def expand(entries, opts=None):
     for e in entries:
         if e.startswith("@"):
             out.extend(read_manifest(e[1:], opts))
-        elif any(ch in e for ch in "*?["):
+        elif any(ch in e for ch in "*?[") and not _exists(e, opts):  # (a store may have [ ] in its name)
             fs, path = _fs(e, opts)
             proto = e.split("://", 1)[0] + "://" if "://" in e else ""
             found = sorted(proto + p if proto and not p.startswith(proto) else p for p in fs.glob(path.rstrip("/")))
@@ -85,20 +90,26 @@ def expand(entries, opts=None):
 
 def index(entries, opts=None, out=None, in_flight=16, log=None, extra=None):
     """Records for `entries` (expand()'s: URLs are opened and described, records kept), opened `in_flight` at a time.
-    Returns them in the order of `entries`. extra: keys to add to each new line (split, weight).
+    Returns them in the order of `entries`. extra: keys to set on these stores' lines (split, weight).
     out: the manifest file to write. A local one gets each store's line appended (and flushed) as soon as it is
     done, so an index that crashed goes on where it stopped: stores already there are not opened again, and a last
-    line cut short is dropped. At the end the manifest is rewritten whole, in the order of `entries` (then any
-    other stores it already held), under a temporary name and renamed: the same patterns give the same file, and
-    the same file gives the same samples. An object store cannot append: there it is only written at the end."""
+    line cut short is dropped. At the end the manifest is rewritten whole, its lines sorted by url, under a
+    temporary name and renamed: the same stores give the same file, and the same file the same samples (a list of
+    the same URLs in that order gives them too). An object store cannot append: there it is written at the end."""
+    import os
     import threading
     from concurrent.futures import ThreadPoolExecutor
     opts = opts or ReadOptions()
     items = expand(entries, opts)
+    local = out is not None and ("://" not in out or out.startswith("file://"))
+    if local and os.path.exists(out):  # a line cut short by a crash: gone before anything is appended after it
+        with open(out, "rb+") as f:
+            text = f.read()
+            if text and not text.endswith(b"\n"):
+                f.truncate(text.rfind(b"\n") + 1)
     done = {r["url"]: r for r in read_manifest(out, opts, cut_short_ok=True)} if out and _exists(out, opts) else {}
     todo = [u for u in dict.fromkeys(x for x in items if isinstance(x, str)) if u not in done]
-    local = out is not None and ("://" not in out or out.startswith("file://"))
-    f = _fs(out, opts)[0].open(_fs(out, opts)[1], "a") if local and todo else None
+    f = open(out, "a") if local and todo else None
     lock = threading.Lock()
 
     def one(url):
@@ -116,17 +127,17 @@ def index(entries, opts=None, out=None, in_flight=16, log=None, extra=None):
     finally:
         if f is not None:
             f.close()
-    records = [x if isinstance(x, dict) else done[x] for x in items]
+    for u in (x for x in items if isinstance(x, str)):  # stores indexed before: this call's split / weight too
+        done[u] = {**done[u], **(extra or {})}
     if out is not None:
-        ours = {r["url"] for r in records}
-        text = "".join(json.dumps(r) + "\n" for r in records + [r for u, r in done.items() if u not in ours])
+        text = "".join(json.dumps(done[u]) + "\n" for u in sorted(done))
         fs, path = _fs(out, opts)
-        tmp = path + ".tmp" if local else path
+        tmp = f"{path}.tmp{os.getpid()}" if local else path
         with fs.open(tmp, "w") as g:
             g.write(text)
         if local:
-            fs.mv(tmp, path)
-    return records
+            os.replace(tmp, path)
+    return [x if isinstance(x, dict) else done[x] for x in items]
 
 
 def _exists(url, opts):

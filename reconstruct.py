@@ -185,6 +185,7 @@ def main(argv):
     import configurator
     import data
     import export
+    import library
     import model as M
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a model file (export.py) or a run's out_dir (its newest checkpoint)")
@@ -255,9 +256,10 @@ def main(argv):
     model.to(device).eval()
 
     # ---- the crop
-    store = a.data or cfg["data_paths"][0]
     opts = data.ReadOptions(anon=a.s3_anon or cfg.get("s3_anon", False),
                             endpoint_url=a.s3_endpoint or cfg.get("s3_endpoint") or None)
+    first = library.expand(cfg["data_paths"][:1], opts)[0] if not a.data else None  # (a glob or a @manifest too)
+    store = a.data or (first["url"] if isinstance(first, dict) else first)
     vol = data.Volume(store, opts)
     origin = triple(a.origin, "origin")
     if origin is None:  # drawn: in the held-out inlines of a training store, if the run held some out
@@ -265,7 +267,8 @@ def main(argv):
         held_out = (same(store) in map(same, cfg["data_paths"]) and not cfg.get("val_paths")
                     and cfg.get("val_frac", 0) > 0)
         rng = np.random.default_rng([a.seed, 4])
-        ranges = [data.split_inline(vol, ("val", cfg["val_frac"]), crop[0]) if held_out else (0, vol.shape[0]),
+        ranges = [data.split_inline(vol.describe(), ("val", cfg["val_frac"]), crop[0]) if held_out else
+                  (0, vol.shape[0]),
                   (0, vol.shape[1]), (0, vol.shape[2])]
         if any(hi - lo < c for (lo, hi), c in zip(ranges, crop)):
             raise data.DataError(f"crop {crop} is larger than the volume {vol.shape} of {store!r}: choose a smaller --crop")

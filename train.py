@@ -17,6 +17,7 @@ the masked count of the whole sample, multiplied by cp before backward; ZeRO ave
 the whole world, so the result is the mean over the dp_size samples, exactly as with cp = 1.
 """
 
+import hashlib
 import importlib
 import json
 import math
@@ -44,7 +45,7 @@ from model import MODELS
 # I/O
 out_dir = "out/quickstart"  # logs and checkpoints
 data_paths = ["data/quickstart.mdio"]  # MDIO v1/v0 stores or 3D Zarr arrays (local, s3://, any fsspec URL), glob
-#                                        patterns (s3://bucket/library/*.mdio) and @manifests (python data.py index)
+#                                        patterns (s3://bucket/library/*.mdio) and @manifests (python library.py index)
 sample_weighting = "volume"  # volume: a store drawn by its live voxels | uniform | manifest (each line's "weight")
 max_open_stores = 64  # stores kept open per rank (least recently used closed first): flat memory for any library
 make_synthetic = False  # create a synthetic volume at data_paths[0] if it does not exist (quickstart)
@@ -281,10 +282,17 @@ def setup(cfg):
                     weighting=cfg["sample_weighting"], max_open=cfg["max_open_stores"])
     job.sampler = data.Sampler(stores, dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"],
                                part=("train", cfg["val_frac"]) if held_out else None, **sampling)
+    # what the training stream depends on besides the seed: which stores, in which order, drawn how (a glob
+    # re-expanded at a relaunch may have found more; main() warns when a resumed run's differs)
+    job.stores_digest = hashlib.sha256(json.dumps([[r["url"] for r in stores], cfg["sample_weighting"]])
+                                       .encode()).hexdigest()[:16]
     job.val_sampler = None
     if val_stores or held_out:
-        job.val_sampler = data.Sampler(val_stores or stores, part=("val", cfg["val_frac"]) if held_out else None,
-                                       stream="val", **sampling)
+        val = val_stores or stores
+        if cfg["sample_weighting"] == "manifest" and not all("weight" in r for r in val):
+            sampling["weighting"] = "volume"  # held-out stores without weights (val_paths, split "val"): by volume
+        job.val_sampler = data.Sampler(val, part=("val", cfg["val_frac"]) if held_out else None, stream="val",
+                                       **sampling)
 
     # ---- model and optimizer. Same init on every rank (seeded), as data parallelism requires.
     torch.manual_seed(cfg["seed"])
@@ -451,6 +459,11 @@ def main(argv, stop=None):
     start, seen = checkpoint.resume(engine, cfg, ckpt_dir, world, job.dtype, log)
     if start:
         job.sampler.offset = seen - start * job.global_batch  # 0 unless the global batch changed (allow_batch_change)
+        with open(os.path.join(ckpt_dir, f"step_{start:07d}", "COMPLETE")) as f:
+            was = json.load(f).get("stores")
+        if was and was != job.stores_digest:
+            log(f"WARNING: the training stores or sample_weighting differ from those of step_{start:07d} (a glob that "
+                f"finds more stores now, another manifest): the run goes on, but not on the samples it would have had")
     if cfg["eval_only"]:
         if not start:
             raise configurator.ConfigError(f"eval_only=True but {ckpt_dir} holds no complete checkpoint to evaluate")
@@ -546,7 +559,8 @@ def main(argv, stop=None):
                 read_back()  # no checkpoint after a non-finite loss
                 n_seen = job.sampler.offset + (step + 1) * job.global_batch  # (offset: see data.Sampler)
                 checkpoint.save(engine, ckpt_dir, step + 1, {"step": step + 1, "config": cfg, "dtype": str(job.dtype),
-                                                            "samples_seen": n_seen}, cfg["keep_ckpts"], rank)
+                                                            "samples_seen": n_seen, "stores": job.stores_digest},
+                                cfg["keep_ckpts"], rank)
                 log(f"checkpoint step_{step + 1:07d} written to {ckpt_dir}")
                 # a signal that arrived during the write stops here, at this checkpoint
                 stop_now = stop_now or (stop is not None and step + 1 < end and stop.agree_now(job.device))

@@ -64,6 +64,11 @@ def test_index_goes_on_where_it_stopped(lib, tmp_path):
     assert len(seen) == 1 and str(lib / "c.mdio") in seen[0], seen
     assert sorted(manifest.read_text().splitlines()) == sorted(full)
     assert [r["url"] for r in records] == [json.loads(x)["url"] for x in full]
+    # marking a store already indexed: its line changes, nothing is opened
+    seen.clear()
+    library.index([str(lib / "c.mdio")], out=str(manifest), extra={"split": "val"}, log=seen.append)
+    lines = {json.loads(x)["url"]: json.loads(x) for x in manifest.read_text().splitlines()}
+    assert not seen and lines[str(lib / "c.mdio")]["split"] == "val" and "split" not in lines[str(lib / "a.mdio")]
 
 
 def chi_square(counts, weights):
@@ -148,6 +153,10 @@ def test_a_run_from_a_manifest_with_a_held_out_store(lib, tmp_path):
     assert e.returncode == 0, e.stderr[-3000:]
     assert [x["loss"] for x in read_log(tmp_path / "m")] == [x["loss"] for x in read_log(tmp_path / "e")]
     assert read_val(tmp_path / "m") == read_val(tmp_path / "e") and len(read_val(tmp_path / "e")) >= 2
+    # going on with the stores drawn otherwise: allowed, and said (the stream is no longer the run's own)
+    w = run_train(small_args(lib / "a.mdio", tmp_path / "m", data_paths=["@" + str(m)], max_steps=5,
+                             sample_weighting="uniform"), nproc=1)
+    assert w.returncode == 0 and "WARNING: the training stores or sample_weighting differ" in w.stdout, w.stdout[-2000:]
     bad = run_train(small_args(lib / "a.mdio", tmp_path / "bad", data_paths=[str(lib / "*.segy")]), nproc=1)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     assert "matches nothing" in bad.stderr.strip().splitlines()[-1]
