@@ -120,10 +120,16 @@ def save(engine, ckpt_dir, step, client_state, keep, rank):
 
 def local_params(engine):
     """This rank's own values of the weights, under any strategy: ZeRO-3 keeps them in p.ds_tensor (p itself
-    is an empty placeholder between uses), FSDP2 in DTensor shards."""
+    is an empty placeholder between uses), FSDP2 in DTensor shards.
+    ZeRO-3 pads every partition to ceil(numel / world): on the last ranks the tail of p.ds_tensor is padding that
+    DeepSpeed allocates with torch.empty and never writes, so it holds whatever was in memory (NaN bit patterns
+    now and then: a 3-rank run once refused its first checkpoint as "non-finite"). Only the real elements count:
+      this rank's slice of the flat parameter = [r * part, (r + 1) * part) clipped to [0, p.ds_numel)."""
     for p in engine.module.parameters():
         if hasattr(p, "ds_tensor"):
-            yield p.ds_tensor
+            part = p.ds_tensor.numel()
+            start = torch.distributed.get_rank(group=p.ds_process_group) * part
+            yield p.ds_tensor.narrow(0, 0, max(0, min(part, p.ds_numel - start)))
         elif hasattr(p, "to_local"):
             yield p.to_local()
         else:

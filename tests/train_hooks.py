@@ -9,6 +9,8 @@ MAE_FAULT=signal_in_checkpoint:STEP:RANK:SIG   that rank sends itself SIG (TERM,
 MAE_FAULT=die_in_conversion             rank 0 dies (exit 17) once DeepSpeed's ds_to_universal has written the whole
                                         universal checkpoint into universal.tmp/, before it is flushed, marked and
                                         renamed: a crash in the middle of an elastic resume's conversion.
+MAE_FAULT=nan_in_padding                after setup, the padding at the end of every ZeRO-3 partition (and of its fp32
+                                        master) is set to NaN: what torch.empty may leave there. It is no weight.
 MAE_SAMPLES=DIR                         every training micro batch read appends its global sample ids to
                                         DIR/rank<R>.jsonl.
 MAE_PROBE=DIR                           every forward appends to DIR/rank<R>.jsonl what reached the model: the
@@ -53,6 +55,24 @@ if fault[0] in ("die_in_checkpoint", "signal_in_checkpoint"):
                 os._exit(17)
             return out
         job.engine.save_checkpoint = save_checkpoint
+        return job
+    train.setup = setup
+
+if fault[0] == "nan_in_padding":
+    real_setup_p = train.setup
+
+    def setup(cfg):
+        job = real_setup_p(cfg)
+        padded = 0
+        for p in job.engine.module.parameters():
+            part = p.ds_tensor.numel()
+            real = max(0, min(part, p.ds_numel - torch.distributed.get_rank(group=p.ds_process_group) * part))
+            if real < part:
+                p.ds_tensor[real:] = float("nan")
+                master, _ = job.engine.optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=False)
+                master.data[real:] = float("nan")
+                padded += 1
+        print(f"nan_in_padding: rank {job.rank}: {padded} padded partitions", flush=True)
         return job
     train.setup = setup
 
