@@ -447,7 +447,9 @@ def _latency_store(path, latency_s):
     import zarr
 
     class LatencyStore(zarr.storage.WrapperStore):
-        """A local store whose every get waits latency_s first (an S3 GET's time to first byte)."""
+        """A local store whose every get waits latency_s first (an S3 GET's time to first byte); zarr's LocalStore
+        then reads the file in the event loop's default thread pool (which the reader leaves to it: decompression
+        has a pool of its own, data.ReadOptions.pool)."""
 
         async def get(self, key, prototype, byte_range=None):
             await asyncio.sleep(latency_s)
@@ -458,19 +460,16 @@ def _latency_store(path, latency_s):
 
 def _time_reads(vol, crops, in_flight=None):
     """Seconds to read every crop. in_flight None: plain zarr, vol.arr[crop] one crop after another (zarr
-    itself overlaps the chunk GETs inside one read, up to its async.concurrency of 10). Otherwise our
-    reader: a pool of in_flight chunk requests, and enough crops in flight to keep it full."""
-    from concurrent.futures import ThreadPoolExecutor
+    itself overlaps the chunk GETs inside one read). Otherwise our reader: every crop handed to
+    data.read_crops at once, their requests held to in_flight by vol's ReadOptions (as a micro batch is read)."""
+    import data
     t = time.perf_counter()
     if in_flight is None:
         for o, c in crops:
             np.asarray(vol.arr[tuple(slice(a, a + n) for a, n in zip(o, c))])
     else:
-        per_crop = math.prod(math.ceil(n / ch) for n, ch in zip(crops[0][1], vol.chunks))
-        depth = max(1, math.ceil(in_flight / per_crop)) + 1
-        with ThreadPoolExecutor(in_flight) as chunk_pool, ThreadPoolExecutor(depth) as crop_pool:
-            for f in [crop_pool.submit(vol.read, o, c, chunk_pool, False) for o, c in crops]:
-                f.result()
+        assert vol.opts.in_flight == in_flight
+        data.read_crops([(vol, o, c) for o, c in crops], normalize=False)
     return time.perf_counter() - t
 
 

@@ -130,3 +130,58 @@ def test_mdio_v0_layout_and_plain_zarr_array(s3, tmp_path):
         else:
             assert v.trace_mask is None and abs(v.mean - 5) < 0.2 and abs(v.std - 2) < 0.3
             assert v.chunk_key((1, 0, 1)) == "c/1/0/1"
+
+
+LAYOUTS = {  # name: (zarr_format, dtype, compressors or compressor, extra create_array arguments)
+    "v3 blosc (MDIO v1)": (3, "<f4", zarr.codecs.BloscCodec(cname="zstd", clevel=5, shuffle="shuffle"), {}),
+    "v3 zstd with checksum": (3, "<f4", zarr.codecs.ZstdCodec(level=3, checksum=True), {}),
+    "v3 uncompressed": (3, "<f4", None, {}),
+    "v3 big-endian": (3, ">f4", zarr.codecs.BloscCodec(), {"serializer": zarr.codecs.BytesCodec(endian="big")}),
+    "v3 int16": (3, "<i2", zarr.codecs.ZstdCodec(), {}),
+    "v3 gzip (zarr's pipeline)": (3, "<f4", zarr.codecs.GzipCodec(), {}),
+    "v3 sharded (zarr's pipeline)": (3, "<f4", zarr.codecs.BloscCodec(), {"shards": (16, 16, 32)}),
+    "v2 blosc (MDIO v0)": (2, "<f4", "blosc", {}),
+    "v2 zstd big-endian": (2, ">f4", "zstd", {}),
+    "v2 uncompressed": (2, "<f4", None, {}),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_reads_what_zarr_reads(layout, tmp_path):
+    """data.py decodes the chunks of the usual layouts itself (numcodecs, in its pool) and leaves the rest to zarr's
+    pipeline: either way a crop is exactly zarr's own reading of it. A volume whose shape is no multiple of its
+    chunks (edge chunks), with one chunk never written (the fill value: NaN, or 0 for integers), crops across
+    chunk borders and at the edges, read one by one and side by side (read_crops)."""
+    import numcodecs
+    fmt, dtype, comp, extra = LAYOUTS[layout]
+    rng = np.random.default_rng(1)
+    vals = rng.normal(0, 100, size=(37, 30, 70)).astype(dtype)
+    path = str(tmp_path / "v.zarr")
+    fill = 0 if np.dtype(dtype).kind == "i" else float("nan")
+    if fmt == 3:
+        arr = zarr.create_array(path, shape=vals.shape, chunks=(8, 8, 16), dtype=dtype, fill_value=fill,
+                                compressors=comp, **extra)
+    else:
+        compressor = {"blosc": numcodecs.Blosc(cname="lz4"), "zstd": numcodecs.Zstd(level=1), None: None}[comp]
+        arr = zarr.create_array(path, shape=vals.shape, chunks=(8, 8, 16), dtype=dtype, fill_value=fill,
+                                zarr_format=2, compressors=compressor)
+    arr[:] = vals
+    arr.attrs.update({"mean": 1.0, "std": 2.0})  # (a plain array: no statistics to estimate)
+    if "sharded" not in layout:  # a chunk never written
+        os.remove(os.path.join(path, arr.metadata.encode_chunk_key((1, 1, 1))))
+    ref = zarr.open_array(path, mode="r")
+    v = data.Volume(path)
+    assert (v.decode is None) == ("zarr's pipeline" in layout), layout
+    crops = [((0, 0, 0), (37, 30, 70)), ((5, 3, 10), (12, 20, 40)), ((29, 22, 54), (8, 8, 16)), ((8, 8, 16), (8, 8, 16))]
+    for origin, shape in crops:
+        want = np.asarray(ref[tuple(slice(o, o + n) for o, n in zip(origin, shape))]).astype(np.float32)
+        got = v.read(origin, shape, normalize=False)
+        assert got.dtype == np.float32 and np.array_equal(got, want, equal_nan=True), (layout, origin)
+        norm = v.read(origin, shape)
+        assert np.array_equal(norm, np.nan_to_num((want - np.float32(1.0)) / np.float32(2.0), nan=0.0)), layout
+    together = data.read_crops([(v, o, s) for o, s in crops], normalize=False)
+    for (origin, shape), got in zip(crops, together):
+        assert np.array_equal(got, v.read(origin, shape, normalize=False), equal_nan=True)
+    if "sharded" not in layout:  # the chunk never written: all fill value
+        missing = v.read((8, 8, 16), (8, 8, 16), normalize=False)
+        assert (missing == 0).all() if fill == 0 else np.isnan(missing).all()

@@ -30,10 +30,10 @@ def test_s3_reads_equal_local_reads(s3, small_store, in_flight):
     assert np.array_equal(remote.trace_mask, local.trace_mask)
     with ThreadPoolExecutor(in_flight) as pool:
         for origin, shape in CROPS:
-            a = remote.read(origin, shape, pool=pool, normalize=False)
+            a = remote.read(origin, shape, normalize=False)
             b = local.read(origin, shape, normalize=False)
             assert np.array_equal(a, b, equal_nan=True)
-            assert np.array_equal(remote.read(origin, shape, pool=pool), local.read(origin, shape))
+            assert np.array_equal(remote.read(origin, shape), local.read(origin, shape))
 
 
 def test_faults_are_retried_and_reads_stay_exact(s3, small_store):
@@ -44,7 +44,7 @@ def test_faults_are_retried_and_reads_stay_exact(s3, small_store):
         local = data.Volume(small_store)
         with ThreadPoolExecutor(8) as pool:
             for origin, shape in CROPS * 3:
-                assert np.array_equal(remote.read(origin, shape, pool=pool, normalize=False),
+                assert np.array_equal(remote.read(origin, shape, normalize=False),
                                       local.read(origin, shape, normalize=False), equal_nan=True)
         assert proxy.stats["503"] > 0 and proxy.stats["drop"] > 0 and proxy.stats["delay"] > 0, proxy.stats
     finally:
