@@ -1,6 +1,5 @@
 """data.py against a real S3 HTTP endpoint on loopback (moto), with and without injected faults."""
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -28,12 +27,14 @@ def test_s3_reads_equal_local_reads(s3, small_store, in_flight):
     remote = data.Volume(s3.url, data.ReadOptions(in_flight=in_flight, endpoint_url=s3.endpoint))
     assert remote.shape == local.shape and (remote.mean, remote.std) == (local.mean, local.std)
     assert np.array_equal(remote.trace_mask, local.trace_mask)
-    with ThreadPoolExecutor(in_flight) as pool:
-        for origin, shape in CROPS:
-            a = remote.read(origin, shape, normalize=False)
-            b = local.read(origin, shape, normalize=False)
-            assert np.array_equal(a, b, equal_nan=True)
-            assert np.array_equal(remote.read(origin, shape), local.read(origin, shape))
+    for origin, shape in CROPS:
+        a = remote.read(origin, shape, normalize=False)
+        b = local.read(origin, shape, normalize=False)
+        assert np.array_equal(a, b, equal_nan=True)
+        assert np.array_equal(remote.read(origin, shape), local.read(origin, shape))
+    # side by side, as a micro batch is read: the same crops
+    for a, (origin, shape) in zip(data.read_crops([(remote, o, s) for o, s in CROPS]), CROPS):
+        assert np.array_equal(a, local.read(origin, shape))
 
 
 def test_faults_are_retried_and_reads_stay_exact(s3, small_store):
@@ -42,13 +43,45 @@ def test_faults_are_retried_and_reads_stay_exact(s3, small_store):
         remote = data.Volume(s3.url, data.ReadOptions(in_flight=8, endpoint_url=proxy.endpoint, timeout_s=0.5,
                                                       retries=8))
         local = data.Volume(small_store)
-        with ThreadPoolExecutor(8) as pool:
-            for origin, shape in CROPS * 3:
-                assert np.array_equal(remote.read(origin, shape, normalize=False),
-                                      local.read(origin, shape, normalize=False), equal_nan=True)
+        for origin, shape in CROPS:
+            assert np.array_equal(remote.read(origin, shape, normalize=False),
+                                  local.read(origin, shape, normalize=False), equal_nan=True)
+        got = data.read_crops([(remote, o, s) for o, s in CROPS * 2], normalize=False)  # 8 in flight at a time
+        for a, (origin, shape) in zip(got, CROPS * 2):
+            assert np.array_equal(a, local.read(origin, shape, normalize=False), equal_nan=True)
         assert proxy.stats["503"] > 0 and proxy.stats["drop"] > 0 and proxy.stats["delay"] > 0, proxy.stats
     finally:
         proxy.stop()
+
+
+def test_requests_in_flight_reach_the_limit_and_never_pass_it(small_store):
+    """ReadOptions.in_flight is the number of GETs on the wire at once, over every crop being read side by side:
+    counted at the store under the reader (each GET held 10 ms, as behind latency)."""
+    import asyncio
+
+    import zarr
+
+    class Counting(zarr.storage.WrapperStore):
+        now = top = 0
+
+        async def get(self, key, prototype, byte_range=None):
+            Counting.now += 1
+            Counting.top = max(Counting.top, Counting.now)
+            try:
+                await asyncio.sleep(0.01)
+                return await self._store.get(key, prototype, byte_range)
+            finally:
+                Counting.now -= 1
+
+    for n in (1, 3, 8):
+        Counting.top = 0
+        vol = data.Volume(small_store, data.ReadOptions(in_flight=n),
+                          store=Counting(zarr.storage.LocalStore(small_store, read_only=True)))
+        crops = [((0, 0, 0), (32, 32, 64)), ((16, 0, 48), (16, 32, 16)), ((3, 5, 7), (20, 17, 40))]  # 16, 2, 12 chunks
+        got = data.read_crops([(vol, o, s) for o, s in crops], normalize=False)
+        assert Counting.top == n, (n, Counting.top)
+        for a, (o, s) in zip(got, crops):
+            assert np.array_equal(a, data.Volume(small_store).read(o, s, normalize=False), equal_nan=True)
 
 
 def test_a_chunk_that_keeps_failing_is_an_error_naming_its_key(s3):
