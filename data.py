@@ -70,6 +70,11 @@ class ReadOptions:
         self.threads = threads or max(1, cpus // max(1, local))
         self._pool = None
 
+    def with_in_flight(self, n):
+        """The same options with n request places (of their own)."""
+        return ReadOptions(n, self.retries, self.backoff_s, self.timeout_s, self.anon, self.endpoint_url,
+                           self.storage_options, self.threads)
+
     @property
     def pool(self):
         if self._pool is None:

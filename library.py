@@ -112,8 +112,12 @@ def index(entries, opts=None, out=None, in_flight=16, log=None, extra=None):
     f = open(out, "a") if local and todo else None
     lock = threading.Lock()
 
+    # opening a store sends zarr's probes side by side (zarr.json, .zarray, .zattrs at once: up to 4 requests), so
+    # `in_flight` stores opened at once need 4 x in_flight request places, not in_flight
+    opening = opts.with_in_flight(4 * max(1, in_flight))
+
     def one(url):
-        r = {**Volume(url, opts).describe(), **(extra or {})}
+        r = {**Volume(url, opening).describe(), **(extra or {})}
         if f is not None:
             with lock:
                 f.write(json.dumps(r) + "\n")
