@@ -449,7 +449,7 @@ def _latency_store(path, latency_s):
     class LatencyStore(zarr.storage.WrapperStore):
         """A local store whose every get waits latency_s first (an S3 GET's time to first byte); zarr's LocalStore
         then reads the file in the event loop's default thread pool (which the reader leaves to it: decompression
-        has a pool of its own, data.ReadOptions.pool)."""
+        has a pool of its own, reader.ReadOptions.pool)."""
 
         async def get(self, key, prototype, byte_range=None):
             await asyncio.sleep(latency_s)
@@ -468,10 +468,10 @@ def _decode_ceiling(path, vol, seconds=1.0):
     whole = (slice(None),) * 3
 
     def work(_):
-        import data
+        import reader
         crop = np.empty(vol.chunks, dtype=np.float32)
         for raw in raws:
-            data._place(vol.decode, raw, crop, whole, whole)
+            reader._place(vol.decode, raw, crop, whole, whole)
         return len(raws)
 
     with ThreadPoolExecutor(vol.opts.threads) as pool:
@@ -486,15 +486,15 @@ def _decode_ceiling(path, vol, seconds=1.0):
 def _time_reads(vol, crops, in_flight=None):
     """Seconds to read every crop. in_flight None: plain zarr, vol.arr[crop] one crop after another (zarr
     itself overlaps the chunk GETs inside one read). Otherwise our reader: every crop handed to
-    data.read_crops at once, their requests held to in_flight by vol's ReadOptions (as a micro batch is read)."""
-    import data
+    reader.read_crops at once, their requests held to in_flight by vol's ReadOptions (as a micro batch is read)."""
+    import reader
     t = time.perf_counter()
     if in_flight is None:
         for o, c in crops:
             np.asarray(vol.arr[tuple(slice(a, a + n) for a, n in zip(o, c))])
     else:
         assert vol.opts.in_flight == in_flight
-        data.read_crops([(vol, o, c) for o, c in crops], normalize=False)
+        reader.read_crops([(vol, o, c) for o, c in crops], normalize=False)
     return time.perf_counter() - t
 
 
@@ -502,7 +502,7 @@ def bench_data(argv):
     import subprocess
     import tempfile
 
-    import data
+    import reader
     import synthetic
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
     from s3_util import MotoS3
@@ -536,9 +536,9 @@ def bench_data(argv):
             url = moto.upload_dir(path, "bench", "vol.mdio")
             for where in ("local+latency", "loopback S3"):
                 def vol(n):
-                    o = data.ReadOptions(in_flight=n, endpoint_url=moto.endpoint)
-                    return (data.Volume(path, o, store=_latency_store(path, lat)) if where == "local+latency"
-                            else data.Volume(url, o))
+                    o = reader.ReadOptions(in_flight=n, endpoint_url=moto.endpoint)
+                    return (reader.Volume(path, o, store=_latency_store(path, lat)) if where == "local+latency"
+                            else reader.Volume(url, o))
                 _time_reads(vol(10), crops[:2])  # warm-up: event loop, connection pool
                 t_zarr = _time_reads(vol(10), crops)
                 gb = len(crops) * c ** 3 * 4 / 1e9
@@ -561,7 +561,7 @@ def bench_data(argv):
                     # the CPU's own ceiling: the same reads with no latency at all (decompression and copies),
                     # the best over the concurrency levels, each measured twice (this machine is noisy)
                     cpu_gbps, n_cpu = max((len(crops_for(n)) * c ** 3 * 4 / 1e9 / _time_reads(
-                        data.Volume(path, data.ReadOptions(in_flight=n)), crops_for(n), in_flight=n), n)
+                        reader.Volume(path, reader.ReadOptions(in_flight=n)), crops_for(n), in_flight=n), n)
                         for n in opts["levels"] for _ in range(2))
                     rows.append(["local, 0 ms", "ours", n_cpu, len(crops_for(n_cpu)), "-", f"{cpu_gbps:.3f}",
                                  "CPU ceiling", "-"])
@@ -589,7 +589,7 @@ def bench_data(argv):
             print(f"chunk-aligned crops of {c}^3 float32 ({per_crop} chunk(s) of {ch}^3 = {chunk_bytes / 2 ** 20:.0f} "
                   f"MiB each, Blosc zstd 5) from a {opts['shape']} volume; at least {opts['rounds']} rounds of requests "
                   f"per level; emulated latency {opts['latency_ms']:.0f} ms per request; limit = in flight x chunk "
-                  f"bytes / latency; {data.ReadOptions().threads} decode threads")
+                  f"bytes / latency; {reader.ReadOptions().threads} decode threads")
             table(rows, ["store", "reader", "in flight", "crops", "seconds", "GB/s", "emulated limit GB/s", "vs zarr"])
             # the quickstart, reading from the loopback S3 endpoint on 2 ranks
             qs = os.path.join(d, "qs.mdio")
@@ -627,15 +627,16 @@ def _library_worker(argv):
     argv = [manifest or url-list file, how ("manifest" | "list"), latency_s, in_flight]. Prints one JSON line."""
     import library
     import data
+    import reader
     src, how, lat, in_flight = argv[0], argv[1], float(argv[2]), int(argv[3])
-    real = data.open_node
+    real = reader.open_node
 
     def open_node(url, opts, store=None):  # every request of a local store waits `lat` first, as an S3 GET would
         return real(url, opts, store if store is not None or "://" in url else _latency_store(url, lat))
-    data.open_node = open_node
+    reader.open_node = open_node
     rss = lambda: int(next(x for x in open("/proc/self/status") if x.startswith("VmRSS")).split()[1]) / 1024  # noqa
     base = rss()
-    opts = data.ReadOptions(in_flight=in_flight)
+    opts = reader.ReadOptions(in_flight=in_flight)
     t = time.perf_counter()
     if how == "manifest":
         time.sleep(lat)  # the manifest itself: one GET

@@ -17,7 +17,7 @@ once) and hands the records to every rank.
 import json
 import time
 
-from data import DataError, ReadOptions, Volume, storage_options
+from reader import DataError, ReadOptions, Volume, storage_options
 
 
 RECORD_KEYS = ("url", "format", "shape", "chunks", "dtype", "mean", "std", "live_fraction", "bytes")

@@ -184,6 +184,7 @@ def device_memory(device):
 def main(argv):
     import configurator
     import data
+    import reader
     import export
     import library
     import model as M
@@ -256,11 +257,11 @@ def main(argv):
     model.to(device).eval()
 
     # ---- the crop
-    opts = data.ReadOptions(anon=a.s3_anon or cfg.get("s3_anon", False),
+    opts = reader.ReadOptions(anon=a.s3_anon or cfg.get("s3_anon", False),
                             endpoint_url=a.s3_endpoint or cfg.get("s3_endpoint") or None)
     first = library.expand(cfg["data_paths"][:1], opts)[0] if not a.data else None  # (a glob or a @manifest too)
     store = a.data or (first["url"] if isinstance(first, dict) else first)
-    vol = data.Volume(store, opts)
+    vol = reader.Volume(store, opts)
     origin = triple(a.origin, "origin")
     if origin is None:  # drawn: in the held-out inlines of a training store, if the run held some out
         same = lambda u: u if "://" in u else os.path.abspath(u)  # noqa: E731  (relative vs absolute paths)

@@ -8,7 +8,7 @@ A synthetic seismic volume and its MDIO store: the quickstart's data, and the te
                              inline/crossline/time, `statsV1`, `trace_mask`, coordinate arrays)
      ensure_synthetic()      the quickstart's store, written on first use
 
-data.py reads what this writes (and what multidimio writes: tests/test_mdio.py checks both).
+reader.py reads what this writes (and what multidimio writes: tests/test_mdio.py checks both).
 """
 
 import json
@@ -17,7 +17,7 @@ import os
 import numpy as np
 import zarr
 
-from data import DataError
+from reader import DataError
 
 
 # -----------------------------------------------------------------------------

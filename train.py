@@ -35,6 +35,7 @@ import data
 import evaluate
 import export
 import library
+import reader
 import ring_attention
 import strategies
 import synthetic
@@ -51,8 +52,9 @@ max_open_stores = 64  # stores kept open per rank (least recently used closed fi
 make_synthetic = False  # create a synthetic volume at data_paths[0] if it does not exist (quickstart)
 synthetic_shape = (128, 128, 256)  # (inline, crossline, time) of that synthetic volume
 synthetic_chunks = (64, 64, 64)  # its Zarr chunks
-# data streaming (data.py)
-in_flight = 16  # chunk requests in flight per rank (threads; also sizes the S3 connection pool)
+# data streaming (reader.py, data.py)
+in_flight = 16  # requests in flight per rank (on one event loop; also sizes the S3 connection pool)
+read_threads = 0  # decompression threads per rank (0: the CPUs this rank may use / the ranks on its node)
 prefetch = 2  # micro batches read ahead of compute
 align_crops = False  # crop origins on chunk boundaries: fewest chunks (and bytes) per crop
 min_live = 0.0  # skip crops whose live-trace fraction is below this
@@ -162,6 +164,7 @@ def validate(cfg):
     need(cfg["sample_weighting"] in ("volume", "uniform", "manifest"),
          f"sample_weighting must be 'volume', 'uniform' or 'manifest', got {cfg['sample_weighting']!r}")
     need(cfg["ckpt_write_gbps"] > 0 and cfg["stop_lead_s"] >= 0, "ckpt_write_gbps must be > 0 and stop_lead_s >= 0")
+    need(cfg["read_threads"] >= 0, f"read_threads must be >= 0 (0: one per CPU of this rank), got {cfg['read_threads']}")
     for key in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval", "keep_ckpts", "in_flight",
                 "prefetch", "zero_bucket", "zero3_max_live", "max_open_stores"):
         need(cfg[key] >= 1, f"{key} must be >= 1, got {cfg[key]}")
@@ -261,8 +264,8 @@ def setup(cfg):
         synthetic.ensure_synthetic(cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"],
                               chunks=cfg["synthetic_chunks"])
     dist.barrier()
-    opts = data.ReadOptions(in_flight=cfg["in_flight"], retries=cfg["read_retries"], timeout_s=cfg["read_timeout_s"],
-                            anon=cfg["s3_anon"], endpoint_url=cfg["s3_endpoint"] or None)
+    opts = reader.ReadOptions(in_flight=cfg["in_flight"], retries=cfg["read_retries"], timeout_s=cfg["read_timeout_s"],
+                            anon=cfg["s3_anon"], endpoint_url=cfg["s3_endpoint"] or None, threads=cfg["read_threads"])
     # the stores: globs expanded, manifests read, plain URLs opened and described, by rank 0 alone; every rank gets
     # the records and opens a store only when a sample needs it (library.py, data.Sampler)
     t0 = time.time()

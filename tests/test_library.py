@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import data
+import reader
 import library
 import synthetic
 from conftest import read_log, read_val, run_train, small_args
@@ -169,7 +170,7 @@ def test_glob_and_manifest_on_loopback_s3(lib):
     try:
         for n in SHAPES:
             m.upload_dir(str(lib / n), "lib", f"surveys/{n}")
-        opts = data.ReadOptions(in_flight=8, endpoint_url=m.endpoint)
+        opts = reader.ReadOptions(in_flight=8, endpoint_url=m.endpoint)
         manifest = "s3://lib/surveys/index.jsonl"
         records = library.index(["s3://lib/surveys/*.mdio"], opts, out=manifest)
         assert [r["url"] for r in records] == [f"s3://lib/surveys/{n}" for n in sorted(SHAPES)]

@@ -10,6 +10,7 @@ import pytest
 import zarr
 
 import data
+import reader
 from conftest import ROOT
 from s3_util import MotoS3
 
@@ -54,7 +55,7 @@ def test_f3_field_data_through_mdio_and_s3(s3, tmp_path):
     with segyio.open(F3, iline=189, xline=193) as f:
         cube = segyio.tools.cube(f)  # (23 inlines, 18 crosslines, 75 samples)
     assert cube.shape == (23, 18, 75)
-    vol = data.Volume(url, data.ReadOptions(in_flight=4, endpoint_url=s3.endpoint))
+    vol = reader.Volume(url, reader.ReadOptions(in_flight=4, endpoint_url=s3.endpoint))
     check_against_segyio(vol, cube, np.ones(cube.shape[:2], bool))
     # and a crop through the sampler: the same values, normalised
     s = data.Sampler([url], (16, 16, 64), seed=5, opts=vol.opts)
@@ -97,7 +98,7 @@ def test_synthetic_segy_with_dead_traces_through_mdio_and_s3(s3, tmp_path):
     with segyio.open(sgy, ignore_geometry=True) as f:  # segyio reads back what it wrote
         assert np.array_equal(np.stack([f.trace[t] for t in range(f.tracecount)]), cube[live].astype(np.float32))
     url = s3.upload_dir(ingest(sgy, str(tmp_path / "gaps.mdio")), "mdio", "gaps.mdio")
-    check_against_segyio(data.Volume(url, data.ReadOptions(endpoint_url=s3.endpoint)), cube, live)
+    check_against_segyio(reader.Volume(url, reader.ReadOptions(endpoint_url=s3.endpoint)), cube, live)
 
 
 def test_mdio_v0_layout_and_plain_zarr_array(s3, tmp_path):
@@ -119,7 +120,7 @@ def test_mdio_v0_layout_and_plain_zarr_array(s3, tmp_path):
     zarr.create_array(plain, data=np.nan_to_num(vol), chunks=(10, 12, 20))
     for name, path in (("v0.mdio", v0), ("plain.zarr", plain)):
         url = s3.upload_dir(path, "fmt", name)
-        v = data.Volume(url, data.ReadOptions(endpoint_url=s3.endpoint))
+        v = reader.Volume(url, reader.ReadOptions(endpoint_url=s3.endpoint))
         raw = v.read((2, 1, 3), (10, 9, 30), normalize=False)
         ref = vol[2:12, 1:10, 3:33] if name == "v0.mdio" else np.nan_to_num(vol)[2:12, 1:10, 3:33]
         assert np.array_equal(raw, ref, equal_nan=True)
@@ -170,7 +171,7 @@ def test_every_layout_reads_what_zarr_reads(layout, tmp_path):
     if "sharded" not in layout:  # a chunk never written
         os.remove(os.path.join(path, arr.metadata.encode_chunk_key((1, 1, 1))))
     ref = zarr.open_array(path, mode="r")
-    v = data.Volume(path)
+    v = reader.Volume(path)
     assert (v.decode is None) == ("zarr's pipeline" in layout), layout
     crops = [((0, 0, 0), (37, 30, 70)), ((5, 3, 10), (12, 20, 40)), ((29, 22, 54), (8, 8, 16)), ((8, 8, 16), (8, 8, 16))]
     for origin, shape in crops:
@@ -179,7 +180,7 @@ def test_every_layout_reads_what_zarr_reads(layout, tmp_path):
         assert got.dtype == np.float32 and np.array_equal(got, want, equal_nan=True), (layout, origin)
         norm = v.read(origin, shape)
         assert np.array_equal(norm, np.nan_to_num((want - np.float32(1.0)) / np.float32(2.0), nan=0.0)), layout
-    together = data.read_crops([(v, o, s) for o, s in crops], normalize=False)
+    together = reader.read_crops([(v, o, s) for o, s in crops], normalize=False)
     for (origin, shape), got in zip(crops, together):
         assert np.array_equal(got, v.read(origin, shape, normalize=False), equal_nan=True)
     if "sharded" not in layout:  # the chunk never written: all fill value

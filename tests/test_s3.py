@@ -6,6 +6,7 @@ import pytest
 import zarr
 
 import data
+import reader
 from conftest import read_log, run_train, small_args, job_env
 from s3_util import FaultProxy, MotoS3
 
@@ -23,8 +24,8 @@ CROPS = [((0, 0, 0), (32, 32, 64)), ((3, 5, 7), (20, 17, 40)), ((16, 0, 48), (16
 
 @pytest.mark.parametrize("in_flight", [1, 8])
 def test_s3_reads_equal_local_reads(s3, small_store, in_flight):
-    local = data.Volume(small_store)
-    remote = data.Volume(s3.url, data.ReadOptions(in_flight=in_flight, endpoint_url=s3.endpoint))
+    local = reader.Volume(small_store)
+    remote = reader.Volume(s3.url, reader.ReadOptions(in_flight=in_flight, endpoint_url=s3.endpoint))
     assert remote.shape == local.shape and (remote.mean, remote.std) == (local.mean, local.std)
     assert np.array_equal(remote.trace_mask, local.trace_mask)
     for origin, shape in CROPS:
@@ -33,20 +34,20 @@ def test_s3_reads_equal_local_reads(s3, small_store, in_flight):
         assert np.array_equal(a, b, equal_nan=True)
         assert np.array_equal(remote.read(origin, shape), local.read(origin, shape))
     # side by side, as a micro batch is read: the same crops
-    for a, (origin, shape) in zip(data.read_crops([(remote, o, s) for o, s in CROPS]), CROPS):
+    for a, (origin, shape) in zip(reader.read_crops([(remote, o, s) for o, s in CROPS]), CROPS):
         assert np.array_equal(a, local.read(origin, shape))
 
 
 def test_faults_are_retried_and_reads_stay_exact(s3, small_store):
     proxy = FaultProxy(s3.port, fail=0.3, delay_s=1.0, seed=1)
     try:
-        remote = data.Volume(s3.url, data.ReadOptions(in_flight=8, endpoint_url=proxy.endpoint, timeout_s=0.5,
+        remote = reader.Volume(s3.url, reader.ReadOptions(in_flight=8, endpoint_url=proxy.endpoint, timeout_s=0.5,
                                                       retries=8))
-        local = data.Volume(small_store)
+        local = reader.Volume(small_store)
         for origin, shape in CROPS:
             assert np.array_equal(remote.read(origin, shape, normalize=False),
                                   local.read(origin, shape, normalize=False), equal_nan=True)
-        got = data.read_crops([(remote, o, s) for o, s in CROPS * 2], normalize=False)  # 8 in flight at a time
+        got = reader.read_crops([(remote, o, s) for o, s in CROPS * 2], normalize=False)  # 8 in flight at a time
         for a, (origin, shape) in zip(got, CROPS * 2):
             assert np.array_equal(a, local.read(origin, shape, normalize=False), equal_nan=True)
         assert proxy.stats["503"] > 0 and proxy.stats["drop"] > 0 and proxy.stats["delay"] > 0, proxy.stats
@@ -75,19 +76,19 @@ def test_requests_in_flight_reach_the_limit_and_never_pass_it(small_store):
 
     for n in (1, 3, 8):
         Counting.top = 0
-        vol = data.Volume(small_store, data.ReadOptions(in_flight=n),
+        vol = reader.Volume(small_store, reader.ReadOptions(in_flight=n),
                           store=Counting(zarr.storage.LocalStore(small_store, read_only=True)))
         crops = [((0, 0, 0), (32, 32, 64)), ((16, 0, 48), (16, 32, 16)), ((3, 5, 7), (20, 17, 40))]  # 16, 2, 12 chunks
-        got = data.read_crops([(vol, o, s) for o, s in crops], normalize=False)
+        got = reader.read_crops([(vol, o, s) for o, s in crops], normalize=False)
         assert Counting.top == n, (n, Counting.top)
         for a, (o, s) in zip(got, crops):
-            assert np.array_equal(a, data.Volume(small_store).read(o, s, normalize=False), equal_nan=True)
+            assert np.array_equal(a, reader.Volume(small_store).read(o, s, normalize=False), equal_nan=True)
 
 
 def test_a_chunk_that_keeps_failing_is_an_error_naming_its_key(s3):
     proxy = FaultProxy(s3.port, fail=0.0)
     try:
-        vol = data.Volume(s3.url, data.ReadOptions(in_flight=2, endpoint_url=proxy.endpoint, retries=2, timeout_s=0.5,
+        vol = reader.Volume(s3.url, reader.ReadOptions(in_flight=2, endpoint_url=proxy.endpoint, retries=2, timeout_s=0.5,
                                                    backoff_s=0.01))
         proxy.fail, proxy.kinds, proxy.delay_s = 1.0, ("delay",), 2.0  # every request now hangs: timeouts
         t = time.time()
@@ -101,7 +102,7 @@ def test_a_chunk_that_keeps_failing_is_an_error_naming_its_key(s3):
 def test_corrupt_chunk_names_its_key(s3, small_store):
     url = s3.upload_dir(small_store, "bkt", "corrupt.mdio")
     s3.client().put_object(Bucket="bkt", Key="corrupt.mdio/amplitude/c/1/0/2", Body=b"\x02\x01garbage" * 10)
-    vol = data.Volume(url, data.ReadOptions(endpoint_url=s3.endpoint, retries=1, backoff_s=0.01))
+    vol = reader.Volume(url, reader.ReadOptions(endpoint_url=s3.endpoint, retries=1, backoff_s=0.01))
     vol.read((0, 0, 0), (16, 16, 16))  # other chunks are fine
     with pytest.raises(data.DataError, match=r"chunk 'amplitude/c/1/0/2' of 's3://bkt/corrupt.mdio'"):
         vol.read((16, 0, 32), (16, 16, 16))
@@ -110,22 +111,22 @@ def test_corrupt_chunk_names_its_key(s3, small_store):
 def test_missing_chunk_is_the_fill_value_not_an_error(s3, small_store):
     url = s3.upload_dir(small_store, "bkt", "holey.mdio")
     s3.client().delete_object(Bucket="bkt", Key="holey.mdio/amplitude/c/0/1/1")
-    vol = data.Volume(url, data.ReadOptions(endpoint_url=s3.endpoint))
+    vol = reader.Volume(url, reader.ReadOptions(endpoint_url=s3.endpoint))
     raw = vol.read((0, 16, 16), (16, 16, 16), normalize=False)
     assert np.isnan(raw).all()  # MDIO's fill value: a dead region
     assert (vol.read((0, 16, 16), (16, 16, 16)) == 0).all()
 
 
 def test_bad_s3_input_is_a_clear_error(s3, tmp_path):
-    opts = data.ReadOptions(endpoint_url=s3.endpoint)
+    opts = reader.ReadOptions(endpoint_url=s3.endpoint)
     with pytest.raises(data.DataError, match="bucket of 's3://no-such-bucket/x.mdio' does not exist"):
-        data.Volume("s3://no-such-bucket/x.mdio", opts)
+        reader.Volume("s3://no-such-bucket/x.mdio", opts)
     with pytest.raises(data.DataError, match="no Zarr store at 's3://bkt/missing.mdio'"):
-        data.Volume("s3://bkt/missing.mdio", opts)
+        reader.Volume("s3://bkt/missing.mdio", opts)
     proxy = FaultProxy(s3.port, forbid=True)
     try:
         with pytest.raises(data.DataError, match="access denied"):
-            data.Volume(s3.url, data.ReadOptions(endpoint_url=proxy.endpoint, retries=0))
+            reader.Volume(s3.url, reader.ReadOptions(endpoint_url=proxy.endpoint, retries=0))
     finally:
         proxy.stop()
     # a store without the variable, and a 2D store
@@ -137,9 +138,9 @@ def test_bad_s3_input_is_a_clear_error(s3, tmp_path):
     for name in ("novar.zarr", "twod.zarr"):
         s3.upload_dir(str(tmp_path / name), "bkt", name)
     with pytest.raises(data.DataError, match="has no variable 'amplitude'"):
-        data.Volume("s3://bkt/novar.zarr", opts)
+        reader.Volume("s3://bkt/novar.zarr", opts)
     with pytest.raises(data.DataError, match="2D array of shape"):
-        data.Volume("s3://bkt/twod.zarr", opts)
+        reader.Volume("s3://bkt/twod.zarr", opts)
     with pytest.raises(data.DataError, match="larger than the volume"):
         data.Sampler([s3.url], (16, 16, 128), opts=opts)
 
@@ -178,7 +179,7 @@ def test_training_through_faulty_s3_equals_fault_free(s3, small_store, tmp_path)
         assert [r["loss"] for r in read_log(tmp_path / "clean")] == [r["loss"] for r in read_log(tmp_path / "faulty")]
         # and sample by sample, through the proxy against the local store
         a = data.Sampler([s3.url], (16, 16, 32), micro_batch=2,
-                         opts=data.ReadOptions(in_flight=8, endpoint_url=proxy.endpoint, timeout_s=0.5))
+                         opts=reader.ReadOptions(in_flight=8, endpoint_url=proxy.endpoint, timeout_s=0.5))
         b = data.Sampler([small_store], (16, 16, 32), micro_batch=2)
         for step in range(20):
             assert np.array_equal(a.batch(step)[0].numpy(), b.batch(step)[0].numpy())
@@ -197,8 +198,8 @@ def test_anonymous_access_public_vs_private(s3, small_store):
         for f in files:
             p = os.path.join(root, f)
             c.upload_file(p, "public", "small.mdio/" + os.path.relpath(p, small_store), ExtraArgs={"ACL": "public-read"})
-    anon = data.ReadOptions(anon=True, endpoint_url=s3.endpoint)
-    pub = data.Volume("s3://public/small.mdio", anon)
-    assert np.array_equal(pub.read((0, 0, 0), (8, 8, 8)), data.Volume(small_store).read((0, 0, 0), (8, 8, 8)))
+    anon = reader.ReadOptions(anon=True, endpoint_url=s3.endpoint)
+    pub = reader.Volume("s3://public/small.mdio", anon)
+    assert np.array_equal(pub.read((0, 0, 0), (8, 8, 8)), reader.Volume(small_store).read((0, 0, 0), (8, 8, 8)))
     with pytest.raises(data.DataError, match="access denied"):
-        data.Volume(s3.url, anon)
+        reader.Volume(s3.url, anon)
