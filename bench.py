@@ -22,14 +22,7 @@ import time
 import numpy as np
 import torch
 
-
-def table(rows, header):
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    line = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths))  # noqa: E731
-    print(line(header))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print(line(r))
+from plan import activation_bytes, meta_model, param_counts, report, state_bytes, step_bytes, table  # (checked here)
 
 
 def matmul_flops(device, dtype, n=2048, iters=10):
@@ -702,194 +695,9 @@ def bench_library(argv):
 
 
 # -----------------------------------------------------------------------------
-# plan: an analytic model of one training step on a GPU cluster. Memory per GPU under each strategy,
-# activations with and without checkpointing, FLOPs, ring traffic, S3 bandwidth, predicted samples/s.
-# Its FLOP and activation terms are checked against measurements on small models (calibrate()), its
-# weight/gradient/optimizer terms per strategy against real 2- and 4-rank training on this CPU (memory_check()).
-
-GPUS = {  # dense bf16 FLOP/s, memory, NVLink per direction, network per node (bytes/s)
-    "H200": {"flops": 989e12, "mem_gb": 141, "nvlink": 450e9, "net_node": 3200e9 / 8},
-    "H100": {"flops": 989e12, "mem_gb": 80, "nvlink": 450e9, "net_node": 3200e9 / 8},
-}
-BLOCK_SAVED = 17  # activations saved per token per block, in units of width C (see activation_bytes)
-
-
-def activation_bytes(m, micro_batch, cp, elem, ckpt):
-    """(persistent, transient) bytes of activations on one rank for a model `m` (model.MAE) whose tokens are
-    split over cp ranks; elem = bytes per activation element (2 for bf16).
-    persistent: what autograd keeps from forward to backward. A pre-norm block on N tokens of width C saves,
-      per token: LayerNorm inputs (2C), qkv input (C), q, k, v (3C) and output (C) of the fused attention
-      (+ its fp32 log-sum-exp, 4H bytes), proj input (C), fc1 input (C), GELU input (4C), fc2 input (4C) =
-      17C. With checkpointing only each block's input (C) stays. Around the blocks: the visible patches, the
-      inputs of the final norms, decoder_embed and the head, gather indices; the loss (model.mae_loss) keeps
-      one fp32 P-wide difference per MASKED token (nm of them: only masked patches go through the error).
-    transient: the largest short-lived working set on top: with checkpointing one block recomputed in
-      backward (17C per token); the head's predictions for all tokens (elem), and for the masked ones their
-      gathered copy and its fp32 cast, the gathered targets and their fp32 cast, the squared error (in
-      backward the same sizes again, scattered back into an all-token gradient); the input slab (it arrives in
-      the compute dtype: train.prepare_batch casts it on the host) and its patchified copy."""
-    ne, nd = (m.n_keep() + 1) / cp, m.L / cp
-    nm = (m.L - m.n_keep()) / cp  # masked tokens on this rank
-    persistent, recompute = 0.0, 0.0
-    for blocks, N, C in ((m.blocks, ne, m.dim), (m.decoder_blocks, nd, m.dec_dim)):
-        if not len(blocks):
-            continue
-        per_block = BLOCK_SAVED * C * N * elem + 4 * blocks[0].heads * N
-        persistent += len(blocks) * (C * N * elem if ckpt else per_block)
-        recompute = max(recompute, per_block if ckpt else 0.0)
-    persistent += nm * m.P * 4
-    # around the blocks: visible patches (patch_embed input), final norm and decoder_embed inputs, decoder norm
-    # and head inputs, and the int64 gather indices
-    persistent += (ne * (m.P + 2 * m.dim) + nd * 2 * m.dec_dim) * elem + (ne + nd + nm) * 8
-    transient = recompute + nd * m.P * elem + nm * m.P * (2 * elem + 3 * 4) + nd * m.P * 2 * elem
-    return micro_batch * persistent, micro_batch * transient
-
-
-def param_counts(m):
-    """Parameter counts of a model.MAE (works on the meta device): all of them, the largest block, the ones
-    outside the blocks (embeddings, tokens, final norms, head), those ZeRO-3 never partitions, the largest tensor."""
-    import strategies
-    ps, blocks = list(m.parameters()), list(m.blocks) + list(m.decoder_blocks)
-    per_block = [sum(p.numel() for p in b.parameters()) for b in blocks]
-    P = sum(p.numel() for p in ps)
-    return {"P": P, "block": max(per_block), "root": P - sum(per_block),
-            "small": sum(p.numel() for p in ps if p.numel() <= strategies.ZERO3_PERSIST),
-            "largest": max(p.numel() for p in ps)}
-
-
-def state_bytes(n, strategy, W, d, cfg, on_gpu=True):
-    """Weights, gradients and optimizer state on one of W ranks, in bytes, as four terms:
-      persistent: held from step to step;
-      held:       added for all of forward and backward (gathered weights, buckets), besides the activations;
-      grads:      gradients that build up during backward while the activations are being freed;
-      opt:        added during the optimizer step.
-    n = param_counts(model); d = bytes per element of the compute dtype (2 bf16, 4 fp32); gradients are reduced
-    and kept in fp32 (train.py: communication_data_type and grad_accum_dtype, FSDP2's reduce_dtype). Under every
-    strategy Adam keeps fp32 master weights (4 bytes) and m, v (8 bytes) for this rank's share P/W: 12 P/W. Each
-    other term is a tensor that DeepSpeed 0.19 / PyTorch 2.13 allocate (found with the profiler and in their source); memory_check measures
-    them on CPU. What differs on a GPU (on_gpu) is taken from the source, not measured: two reduce buckets
-    (overlap_comm), AdamW's foreach step (one temporary per group where the CPU's per-tensor step makes two),
-    and no gloo copies."""
-    P, Pw, blk, B = n["P"], n["P"] / W, n["block"], cfg["zero_bucket"]
-    Bn = min(B, P)  # a bucket never holds more gradients than there are
-    to32 = 4 if d != 4 else 0  # a cast to fp32 for the reduction (none when the compute dtype is fp32)
-    if strategy == "fsdp2":  # AdamW over DTensor shards: foreach on GPU, per tensor on CPU
-        adam_tmp = 4 * Pw if on_gpu else 2 * 4 * n["largest"] / W
-    else:  # DeepSpeed's optimizer sees one flat fp32 tensor per group: per tensor is the whole share
-        adam_tmp = 4 * Pw if on_gpu else 2 * 4 * Pw
-    if strategy == "zero2":
-        persistent = d * P + 12 * Pw  # weights replicated on every rank; master + Adam for this rank's share
-        held = ((2 if on_gpu else 1) * d * B  # reduce bucket(s): two with overlap_comm (GPU)
-                + (d + to32) * Bn  # allreduce_bucket: a flat copy of the bucket, then its fp32 cast
-                + d * blk)  # one block's full gradients, before they are copied into the bucket
-        grads = 4 * Pw  # this rank's gradient share, fp32 (grad_accum_dtype), filled bucket by bucket
-        # at the step: the gradient share; with fp32 weights also a flat copy of it for the step (with bf16 weights
-        # DeepSpeed accumulates into a separate fp32 buffer that the step reads in place: measured), AdamW's
-        opt = 4 * Pw + (4 * Pw if d == 4 else 0) + adam_tmp
-    elif strategy == "zero3":
-        persistent = (d * Pw  # weight shards
-                      + 12 * Pw  # master + Adam
-                      + 4 * Pw  # the gradient share: a flat buffer, kept, in fp32 (grad_accum_dtype)
-                      + d * n["small"]  # parameters too small to partition, whole on every rank
-                      + 4 * B  # the reduce bucket, in the communication dtype (fp32)
-                      + (0 if on_gpu else 4 * blk))  # gloo keeps its copy of the last reduce-scatter input
-        # gathered weights: ZeRO-3 keeps a gathered weight that the forward+backward trace uses again within
-        # stage3_max_reuse_distance elements and prefetches up to stage3_max_live_parameters resident (train.py
-        # sets both to zero3_max_live): about that many stay gathered (measured: the change of the peak follows
-        # zero3_max_live one for one), plus the submodule in use (at most the largest tensor) and the prefetch
-        gathered = min(P - n["small"], cfg["zero3_max_live"]) + n["largest"] + min(B // 10, cfg["zero3_max_live"])
-        held = (d * gathered
-                + 4 * Bn  # reduce_scatter_coalesced's flat fp32 copy of a bucket
-                + (0 if on_gpu else 4 * Bn))  # and gloo's copy of that (NCCL reduce-scatters in place)
-        grads = 0.0  # (the share is the persistent flat buffer)
-        opt = 4 * Pw + adam_tmp  # the fp32 copy of the gradient share, AdamW temporaries
-    elif strategy == "fsdp2":
-        persistent = 12 * Pw  # fp32 weight shards (they are the master weights) and Adam m, v
-        held = (d * n["root"]  # the parameters outside the blocks, unsharded from forward to backward
-                + 2 * d * blk  # this block and the prefetched next one, gathered in the compute dtype
-                + d * blk + 4 * blk  # a block's unsharded gradients and their fp32 reduce-scatter input
-                + (0 if on_gpu else 4 * blk))  # gloo's copy of that input
-        grads = 4 * Pw  # fp32 gradient shards
-        opt = 4 * Pw + adam_tmp  # gradient shards, AdamW temporaries
-    else:
-        raise ValueError(strategy)
-    return {"persistent": persistent, "held": held, "grads": grads, "opt": opt}
-
-
-def step_bytes(st, act):
-    """What a rank holds over a step, in the terms memory_check measures: the state between steps, the peak in
-    forward/backward (gathered weights and buckets, plus whichever is larger of the activations `act` and the
-    gradients that replace them during backward), the peak in the optimizer step, and the larger peak."""
-    out = {"state between steps": st["persistent"],
-           "peak in fwd/bwd": st["persistent"] + st["held"] + max(act, st["grads"]),
-           "peak in optimizer step": st["persistent"] + st["opt"]}
-    out["peak"] = max(out["peak in fwd/bwd"], out["peak in optimizer step"])
-    return out
-
-
-def meta_model(cfg):
-    """The config's model.MAE on the meta device: its shapes and parameter counts, no memory."""
-    from model import MODELS
-    grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
-    with torch.device("meta"):
-        return MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
-                                         mask_strata=cfg["mask_strata"] or cfg["cp"])
-
-
-def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
-    """The analytic plan of config `cfg` (train.py's keys) on `world` GPUs of kind `gpu`."""
-    g = GPUS[gpu]
-    cp = cfg["cp"]
-    m = meta_model(cfg)
-    n = param_counts(m)
-    P, W = n["P"], world
-    elem = 4 if cfg["dtype"] == "float32" else 2  # 'auto' is bf16 on a GPU
-    states = {k: state_bytes(n, k, W, elem, cfg) for k in ("zero2", "zero3", "fsdp2")}
-    act = sum(activation_bytes(m, cfg["micro_batch"], cp, elem, cfg["grad_ckpt"]))  # peak: both at once
-    act_other = sum(activation_bytes(m, cfg["micro_batch"], cp, elem, not cfg["grad_ckpt"]))
-    workspace = 3e9  # CUDA context, cuBLAS/flash workspaces, allocator slack
-    ring = 0.0
-    if cp > 1:  # the ring holds a second K/V block in flight, and fp32 dk/dv accumulators in backward
-        ring = max(4 * N * C * elem + 2 * 2 * N * C * 4 for N, C in (((m.n_keep() + 1) / cp, m.dim), (m.L / cp, m.dec_dim)))
-    mem = {k: (step_bytes(st, act + ring)["peak"] + workspace) / 1e9 for k, st in states.items()}
-    fps = m.flops_per_sample()
-    sps = W * g["flops"] * mfu / fps
-    # ring traffic per step per rank (all layers, fwd + bwd) and whether compute hides one hop
-    ring_bytes, hidden = 0.0, True
-    for blocks, N, C in ((m.blocks, (m.n_keep() + 1) / cp, m.dim), (m.decoder_blocks, m.L / cp, m.dec_dim)):
-        if cp > 1:
-            per_layer = (cp - 1) * (2 * N * C * elem) * 2 + (cp - 1) * (2 * N * C * 4)  # K/V fwd + bwd, dK/dV fp32
-            ring_bytes += len(blocks) * per_layer * cfg["micro_batch"]
-            hop_comm = 2 * N * C * elem / g["nvlink"]
-            hop_compute = 4 * N * N * C / (g["flops"] * mfu)
-            hidden = hidden and hop_comm <= hop_compute
-    voxels = math.prod(cfg["crop"])
-    s3_node = sps / max(1, W // gpus_per_node) * voxels * 4  # float32 voxels of every sample, per node
-    strategy = cfg["strategy"]
-    fits = mem[strategy] <= 0.92 * g["mem_gb"]
-    # what a stop signal costs (checkpoint.StopRequest), so that SLURM's warning before the time limit (launch.sh's
-    # srun --signal=USR1@lead) leaves time for it: the step in progress and, on a GPU, one more (the stop flag is
-    # read a step late), an evaluation that may be running (forwards only: a third of a training sample's FLOPs,
-    # ceil(eval_samples / dp) samples per cp group), and the checkpoint write: fp32 master weights and AdamW's m and v
-    # (12 bytes per parameter, partitioned) and the weights in the compute dtype, at out_dir's write bandwidth.
-    step_s = cfg["micro_batch"] * cfg["grad_accum"] * (W // cp) / sps
-    has_val = bool(cfg["val_paths"]) or cfg["val_frac"] > 0
-    eval_s = math.ceil(cfg["eval_samples"] / (W // cp)) * fps / 3 / (cp * g["flops"] * mfu) if has_val else 0.0
-    ckpt_bytes = P * (12 + elem)
-    ckpt_s = ckpt_bytes / (cfg["ckpt_write_gbps"] * 1e9)
-    # x 1.5 for the planner's error, + 60 s: SLURM may send the signal up to a minute early or late (its timer)
-    stop_lead = math.ceil(60 + 1.5 * (2 * step_s + eval_s + ckpt_s))
-    return {"gpu": gpu, "world": W, "dp": W // cp, "cp": cp, "params": P, "tokens": m.L, "visible": m.n_keep(),
-            "enc_tokens_per_rank": (m.n_keep() + 1) / cp, "dec_tokens_per_rank": m.L / cp,
-            "flops_per_sample": fps, "mfu": mfu, "samples_per_s": sps,
-            "mem_per_gpu_gb": round(mem[strategy], 2), "mem_by_strategy_gb": {k: round(v, 2) for k, v in mem.items()},
-            "states_gb": {k: round(step_bytes(st, 0)["peak"] / 1e9, 2) for k, st in states.items()},
-            "activations_gb": round(act / 1e9, 2), "activations_other_ckpt_gb": round(act_other / 1e9, 2),
-            "ring_gb_per_step_per_rank": round(ring_bytes / 1e9, 2), "ring_hidden_by_compute": hidden,
-            "s3_gb_per_s_per_node": round(s3_node / 1e9, 3), "strategy": strategy, "grad_ckpt": cfg["grad_ckpt"],
-            "fits": bool(fits), "limit_gb": round(0.92 * g["mem_gb"], 1),
-            "step_s": step_s, "eval_s": eval_s, "ckpt_gb": round(ckpt_bytes / 1e9, 2), "ckpt_s": ckpt_s,
-            "stop_lead_s": stop_lead}
+# plan: the planner (plan.py) checked against measurements on this machine: its FLOP and activation terms on
+# small models (calibrate()), its weight/gradient/optimizer terms per strategy against real 2- and 4-rank
+# training (memory_check()).
 
 
 def calibrate():
@@ -1128,31 +936,12 @@ def memory_table(rows):
 
 
 def bench_plan(argv):
-    import configurator
+    """The plan of a config (plan.py) with the checks of its terms on this machine, JSON last."""
+    import plan as P
     import train
-    cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
-    extra = {"gpu": "H200", "mfu": 0.4}
-    args = [a for a in argv if not any(a.startswith(f"--{k}=") for k in extra)]
-    configurator.apply(extra, [a for a in argv if a not in args])
-    configurator.apply(cfg, args)
+    cfg, p = P.config_plan(argv)
     train.validate(cfg)
-    world = cfg["nodes"] * (cfg["gpus_per_node"] or 8)
-    p = plan(cfg, world, extra["gpu"], extra["mfu"], cfg["gpus_per_node"] or 8)
-    print(f"{argv[0] if argv else 'defaults'} on {cfg['nodes']} x {cfg['gpus_per_node'] or 8} {p['gpu']} = {world} GPUs "
-          f"(dp {p['dp']} x cp {p['cp']}), {p['strategy']}, grad_ckpt={p['grad_ckpt']}")
-    rows = [["params", f"{p['params'] / 1e6:.1f} M"], ["tokens / visible", f"{p['tokens']:,} / {p['visible']:,}"],
-            ["encoder / decoder tokens per rank", f"{p['enc_tokens_per_rank']:,.0f} / {p['dec_tokens_per_rank']:,.0f}"],
-            ["FLOPs per sample (fwd+bwd)", f"{p['flops_per_sample'] / 1e12:.1f} TFLOP"]]
-    for k in ("zero2", "zero3", "fsdp2"):
-        rows.append([f"memory per GPU, {k}", f"{p['mem_by_strategy_gb'][k]:.1f} GB (states {p['states_gb'][k]:.1f})"])
-    rows += [["activations per GPU", f"{p['activations_gb']:.1f} GB (with grad_ckpt={not p['grad_ckpt']}: "
-                                     f"{p['activations_other_ckpt_gb']:.1f} GB)"],
-             ["ring traffic per step per rank", f"{p['ring_gb_per_step_per_rank']:.1f} GB, "
-                                               f"{'hidden' if p['ring_hidden_by_compute'] else 'NOT hidden'} by compute"],
-             [f"predicted samples/s at {100 * p['mfu']:.0f}% MFU", f"{p['samples_per_s']:.2f}"],
-             ["S3 read per node at that rate", f"{p['s3_gb_per_s_per_node']:.2f} GB/s (float32, uncompressed)"],
-             ["fits", f"{'yes' if p['fits'] else 'NO'}: {p['mem_per_gpu_gb']:.1f} GB of {p['limit_gb']} GB usable"]]
-    table(rows, ["quantity", "value"])
+    report(p, " ".join(a for a in argv if not a.startswith("--")) or "defaults")
     crow, worst = calibrate()
     print("\nplanner terms vs measurements on small configs (fp32, this machine):")
     table(crow, ["config", "term", "planner", "measured", "error"])

@@ -12,6 +12,7 @@ list; a value that does not parse is taken as a string (--out_dir=out/run1).
 """
 
 import ast
+import os
 
 
 class ConfigError(ValueError):
@@ -58,3 +59,16 @@ def apply(cfg, argv):
                 value = text  # a bare string
             changed[key] = cfg[key] = _check(cfg, key, value, f"from {arg}")
     return changed
+
+
+def defaults(path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")):
+    """train.py's config defaults as a dict, read from its source without importing it: the block of plain
+    assignments from the line '# config: defaults' to 'CONFIG_KEYS = ...', run as a config file is. For the
+    files that train.py imports and that need its defaults on their own command line (plan.py): importing
+    train.py there would close an import circle."""
+    src = open(path).read()
+    block = src[src.index("# config: defaults"):src.index("CONFIG_KEYS = ")]
+    scope = {}
+    exec(compile(block, path, "exec"), scope)
+    return {k: v for k, v in scope.items()
+            if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple, list))}

@@ -165,11 +165,11 @@ def figure_title(what, step, mse, mask_ratio, norm_pix):
 
 def memory_needed(model_cfg):
     """Bytes one device needs to run the config's MAE forward (fp32, no gradients), by the planner
-    (bench.activation_bytes with checkpointing: every block's input kept, one block's working set at a
+    (plan.activation_bytes with checkpointing: every block's input kept, one block's working set at a
     time; an upper bound for a forward without autograd) plus the fp32 weights and the input crop."""
-    import bench
-    m = bench.meta_model(model_cfg)
-    act = sum(bench.activation_bytes(m, 1, 1, 4, True))
+    import plan
+    m = plan.meta_model(model_cfg)
+    act = sum(plan.activation_bytes(m, 1, 1, 4, True))
     return 4 * sum(p.numel() for p in m.parameters()) + act + 4 * math.prod(model_cfg["crop"]) * 3
 
 

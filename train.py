@@ -381,7 +381,7 @@ def train_step(job, step, batches, stop=0.0):
 def check_launch(cfg):
     """DRY_RUN=1 bash launch.sh ...: every check that needs neither GPUs nor data, for the configured cluster
     of nodes x gpus_per_node, and the planner's verdict on memory. Prints a LAUNCH line that launch.sh reads."""
-    import bench
+    import plan
     gpn = cfg["gpus_per_node"] or torch.cuda.device_count() or int(os.environ.get("NPROC", "2"))
     world, cp = cfg["nodes"] * gpn, cfg["cp"]
     print(f"LAUNCH nodes={cfg['nodes']} gpus_per_node={gpn} world={world} config_gpus={cfg['gpus_per_node']}")
@@ -419,7 +419,7 @@ def check_launch(cfg):
     print(f"cluster: {cfg['nodes']} nodes x {gpn} ranks = world {world} = dp {dp} x cp {cp}")
     print(f"batch: micro_batch {cfg['micro_batch']} x grad_accum {cfg['grad_accum']} x dp {dp} = global batch {gb}; "
           f"lr = {cfg['blr']} x {gb} / 256 = {cfg['blr'] * gb / 256:.3g}")
-    p = bench.plan(cfg, world, "H200", gpus_per_node=gpn)
+    p = plan.plan(cfg, world, "H200", gpus_per_node=gpn)
     print(f"plan (H200): {p['params'] / 1e6:.1f} M params, {p['tokens']:,} tokens ({p['visible']:,} visible), "
           f"{p['flops_per_sample'] / 1e12:,.1f} TFLOP per sample, ~{p['samples_per_s']:.2f} samples/s at 40 % MFU")
     print(f"memory per GPU ({cfg['strategy']}, grad_ckpt={cfg['grad_ckpt']}): {p['mem_per_gpu_gb']:.1f} GB of "

@@ -19,7 +19,7 @@ norm_pix_loss = True
 grad_ckpt = True  # activations of 24 + 8 blocks at these lengths are tens of GB without it
 
 # per GPU 1 sample; global batch = 1 x world (128 on 16 x 8 GPUs); lr = 1.5e-4 x 128 / 256 = 7.5e-5
-# planner (python bench.py plan config/base_102k.py): 22.6 GB per GPU with ZeRO-2 and grad_ckpt (47 GB of
+# planner (python plan.py config/base_102k.py): 22.6 GB per GPU with ZeRO-2 and grad_ckpt (47 GB of
 # activations without it), 66 samples/s on 128 H200 at 40 % MFU, 6.9 GB/s per node from S3 (float32)
 micro_batch = 1
 grad_accum = 1

@@ -1,8 +1,8 @@
 # The headline run: one sample = 1536 x 1536 x 2048 voxels, split over the 8 H200s of a node by ring
 # attention; 16 P5 nodes. Launch: bash launch.sh config/big_context.py (DRY_RUN=1 first: it prints what each
-# node will run and the planner's memory per GPU). Numbers below are from `python bench.py plan
-# config/big_context.py` (the planner; its FLOP, activation and per-strategy memory terms are checked
-# against measurements, printed with it).
+# node will run and the planner's memory per GPU). Numbers below are from `python plan.py
+# config/big_context.py` (the planner; `python bench.py plan config/big_context.py` prints it with the checks
+# of its FLOP, activation and per-strategy memory terms against measurements).
 #
 # tokens:   (1536/16) x (1536/16) x (2048/16) = 96 x 96 x 128 = 1,179,648 tokens of 16^3 voxels
 # visible:  mask 0.75 -> int(1,179,648 x 0.25) + 1 = 294,913 -> rounded so that visible + cls divides by 8:
