@@ -43,12 +43,20 @@ def matmul_flops(device, dtype, n=2048, iters=10):
 
 def bench_step(argv, warmup=3, steps=10):
     """Time `steps` training steps of a config after `warmup` untimed ones, in one process. A config in bf16 is
-    also run in fp32 right after, in the same process, and the two are printed side by side."""
+    also run in fp32 right after, in the same process, and the two are printed side by side.
+    --ckpt_sweep=True: the config with no block, half the blocks (the first of model.ckpt_order) and every block
+    checkpointed, one after another in this process: time per step, the planner's FLOPs executed per sample
+    (recompute included) and the planned activation bytes, side by side."""
     import configurator
     import train
     cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
-    configurator.apply(cfg, argv)
+    extra = {"ckpt_sweep": False}
+    args = [a for a in argv if not any(a.startswith(f"--{k}=") for k in extra)]
+    configurator.apply(extra, [a for a in argv if a not in args])
+    configurator.apply(cfg, args)
     train.validate(cfg)
+    if extra["ckpt_sweep"]:
+        return _ckpt_sweep(cfg, args, warmup, steps)
     res = _time_steps(cfg, argv, warmup, steps)
     if res["dtype"] == "bfloat16":
         fp32 = _time_steps({**cfg, "dtype": "float32"}, argv, warmup, steps)
@@ -57,7 +65,32 @@ def bench_step(argv, warmup=3, steps=10):
     return res
 
 
-def _time_steps(cfg, argv, warmup, steps):
+def _ckpt_sweep(cfg, argv, warmup, steps):
+    import plan as P
+    n_blocks = len(meta_model(cfg).ckpt_order())
+    rows, out = [], {"bench": "step_ckpt", "config": argv[0] if argv else "defaults", "blocks": n_blocks}
+    for name, ckpt in (("none", 0), ("half", n_blocks // 2), ("all", n_blocks)):
+        c = {**cfg, "grad_ckpt": ckpt > 0, "ckpt_blocks": ckpt}
+        m = meta_model(c)
+        m.set_grad_ckpt(P.ckpt_arg(c))
+        act = sum(activation_bytes(m, c["micro_batch"], c["cp"], 4 if c["dtype"] != "bfloat16" else 2))
+        r = _time_steps(c, argv, warmup, steps, quiet=True)
+        executed = m.flops_per_sample() + m.recompute_flops()
+        out[f"ms_per_step_{name}"] = r["ms_per_step"]
+        out[f"planned_activation_mib_{name}"] = round(act / 2 ** 20, 2)
+        rows.append([name, ckpt, f"{r['ms_per_step']:.1f}", f"{executed / m.flops_per_sample():.3f}",
+                     f"{act / 2 ** 20:.1f}"])
+    for name in ("half", "all"):
+        out[f"time_ratio_{name}_vs_none"] = round(out[f"ms_per_step_{name}"] / out["ms_per_step_none"], 3)
+        rows[("none", "half", "all").index(name)].append(f"{out[f'time_ratio_{name}_vs_none']:.3f}")
+    rows[0].append("1.000")
+    print(f"{out['config']}: activation checkpointing of none / half / every block ({n_blocks}), side by side")
+    table(rows, ["ckpt", "blocks", "ms/step", "planned FLOPs executed / model FLOPs", "planned activations MiB",
+                 "time vs none"])
+    return out
+
+
+def _time_steps(cfg, argv, warmup, steps, quiet=False):
     import train
     job = train.setup(cfg)
     batches = train.micro_batches(job, 0, warmup + steps)
@@ -83,6 +116,8 @@ def _time_steps(cfg, argv, warmup, steps):
            "global_batch": job.global_batch, "ms_per_step": round(1000 * dt, 2), "samples_per_s": round(sps, 3),
            "achieved_flops": achieved, "matmul_flops": peak, "frac_of_matmul": round(achieved / peak, 4),
            "data_wait_frac": round(wait / (dt * steps), 4)}
+    if quiet:
+        return res
     table([[res["config"], res["device"], res["threads"], res["tokens"], res["global_batch"],
             f"{res['ms_per_step']:.1f}", f"{sps:.2f}", f"{achieved / 1e9:.2f}", f"{peak / 1e9:.2f}",
             f"{100 * achieved / peak:.1f}%", f"{100 * res['data_wait_frac']:.1f}%"]],
@@ -715,7 +750,8 @@ def calibrate():
                      ("tiny 8x8x8", dict(grid=(8, 8, 8), patch=(2, 2, 16))),
                      ("small 4x8x8", dict(grid=(4, 8, 8), patch=(4, 4, 4)))):
         size = name.split()[0]
-        for ckpt in (False, True):
+        n_blocks = len(M.MODELS[size](grid=kw["grid"], patch=kw["patch"]).ckpt_order())
+        for ckpt in (False, n_blocks // 2, True):  # none, the first half of ckpt_order(), every block
             torch.manual_seed(0)
             m = M.MODELS[size](grid=kw["grid"], patch=kw["patch"], grad_ckpt=ckpt)
             x = torch.randn(2, 1, *(g * p for g, p in zip(kw["grid"], kw["patch"])))
@@ -734,16 +770,18 @@ def calibrate():
             act_measured = saved[0]
             loss.backward()
             act_model = activation_bytes(m, 2, 1, 4, ckpt)[0]
-            if not ckpt:
+            label = {False: "", True: " (every block ckpt)"}.get(ckpt, f" ({ckpt} blocks ckpt)")
+            if ckpt is not True:  # FLOPs executed: the model's, plus the checkpointed blocks' forward again
                 with FlopCounterMode(display=False) as fc, sdpa_kernel(SDPBackend.MATH):
                     m(x)[0].backward()
                 flops_measured = fc.get_total_flops() / 2  # per sample (batch 2)
-                e = flops_measured / m.flops_per_sample() - 1
+                planned = m.flops_per_sample() + m.recompute_flops()
+                e = flops_measured / planned - 1
                 worst = max(worst, abs(e))
-                rows.append([name, "FLOPs/sample", f"{m.flops_per_sample():.3g}", f"{flops_measured:.3g}", f"{100 * e:+.1f}%"])
+                rows.append([name, f"FLOPs/sample{label}", f"{planned:.3g}", f"{flops_measured:.3g}", f"{100 * e:+.1f}%"])
             e = act_measured / act_model - 1
             worst = max(worst, abs(e))
-            rows.append([name, f"activations{' (ckpt)' if ckpt else ''}", f"{act_model / 2 ** 20:.2f} MiB",
+            rows.append([name, f"activations{label}", f"{act_model / 2 ** 20:.2f} MiB",
                          f"{act_measured / 2 ** 20:.2f} MiB", f"{100 * e:+.1f}%"])
     return rows, worst
 

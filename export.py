@@ -118,7 +118,7 @@ def find_checkpoint(out_dir, tag=None):
 def build_model(cfg, device=None):
     """The MAE of a run's config, built as train.setup builds it (not seeded here: train.setup seeds with
     cfg["seed"] first; seed before calling this to get the run's init). `device="meta"`: shapes only, no memory.
-    grad_ckpt is left off: it only changes how training recomputes activations (set model.grad_ckpt to train)."""
+    grad_ckpt is left off: it only changes how training recomputes activations (model.set_grad_ckpt to train with it)."""
     patch, crop = tuple(cfg["patch"]), tuple(cfg["crop"])
     with torch.device(device) if device is not None else contextlib.nullcontext():
         return MODELS[cfg["model_size"]](grid=tuple(c // p for c, p in zip(crop, patch)), patch=patch,

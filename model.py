@@ -231,7 +231,7 @@ class MAE(nn.Module):
         self.L = math.prod(self.grid)  # tokens per sample
         self.P = math.prod(self.patch)  # voxels per patch
         self.dim, self.dec_dim = dim, dec_dim
-        self.mask_ratio, self.norm_pix_loss, self.grad_ckpt = mask_ratio, norm_pix_loss, grad_ckpt
+        self.mask_ratio, self.norm_pix_loss = mask_ratio, norm_pix_loss
         # masking strata (a multiple of cp; train.py sets it to cp unless configured): the mask, and so the
         # model's function, depends on the strata and not on how many ranks compute it
         self.mask_strata = mask_strata
@@ -249,6 +249,40 @@ class MAE(nn.Module):
         self.decoder_norm = nn.LayerNorm(dec_dim, eps=1e-6)
         self.decoder_pred = nn.Linear(dec_dim, self.P)
         self.initialize_weights()
+        self.set_grad_ckpt(grad_ckpt)
+
+    def set_grad_ckpt(self, grad_ckpt):
+        """Activation checkpointing: True every block, False (or 0) none, k the first k blocks of ckpt_order()."""
+        n_blocks = len(self.blocks) + len(self.decoder_blocks)
+        k = n_blocks if grad_ckpt is True else int(grad_ckpt)
+        assert 0 <= k <= n_blocks, f"grad_ckpt={grad_ckpt}: a number of blocks must be in [0, {n_blocks}]"
+        self.grad_ckpt = k
+        self.ckpt = set(self.ckpt_order()[:k])  # {("enc" | "dec", block index)}
+
+    def block_flops(self, stack):
+        """Forward FLOPs of one block of `stack` ("enc" or "dec") per sample (see flops_per_sample)."""
+        mlp = int(self.blocks[0].fc1.out_features / self.dim) if len(self.blocks) else 4
+        N, C = (self.n_keep() + 1, self.dim) if stack == "enc" else (self.L, self.dec_dim)
+        return (8 + 4 * mlp) * N * C * C + 4 * N * N * C
+
+    def ckpt_order(self):
+        """Every block, in the order activation checkpointing takes them: most activation bytes freed per FLOP
+        recomputed first. A checkpointed block keeps its input (C per token) instead of 17 C (plan.py's
+        BLOCK_SAVED), so it frees ~16 C N bytes per sample and costs its forward again, (8 + 4 mlp) N C^2 +
+        4 N^2 C FLOPs: the ratio is ~16 / ((8 + 4 mlp) C + 4 N), larger for the stack with the smaller
+        (8 + 4 mlp) C + 4 N. Under cp both N and the bytes divide by cp, the order does not change. At
+        big_context the encoder (C 1,664, N 294,912) frees 4x more per FLOP than the decoder (C 512, N
+        1,179,648: its attention over the whole sample makes its recompute dear): encoder blocks go first.
+        Within a stack the blocks are alike; the first ones go first."""
+        mlp = int(self.blocks[0].fc1.out_features / self.dim) if len(self.blocks) else 4
+        cost = {"enc": (8 + 4 * mlp) * self.dim + 4 * (self.n_keep() + 1),
+                "dec": (8 + 4 * mlp) * self.dec_dim + 4 * self.L}
+        stacks = sorted(("enc", "dec"), key=lambda st: cost[st])  # (stable: encoder first on a tie)
+        return [(st, i) for st in stacks for i in range(len(self.blocks if st == "enc" else self.decoder_blocks))]
+
+    def recompute_flops(self):
+        """FLOPs per sample that checkpointing adds: the forward of every checkpointed block, again in backward."""
+        return sum(self.block_flops(st) for st, _ in self.ckpt)
 
     def initialize_weights(self):
         # MAE init: xavier-uniform on every Linear and on the patch embedding seen as a (dim, P) Linear,
@@ -278,10 +312,10 @@ class MAE(nn.Module):
             assert self.grid[0] % size == 0 and self.mask_strata % size == 0, (self.grid, self.mask_strata, size)
         self.cp = (group, impl) if size > 1 else None
 
-    def run_blocks(self, blocks, x):
-        for blk in blocks:
-            # activation checkpointing: keep only block inputs, recompute the block in backward
-            if self.grad_ckpt and self.training:
+    def run_blocks(self, blocks, x, stack):
+        for i, blk in enumerate(blocks):
+            # activation checkpointing: keep only the block's input, recompute the block in backward
+            if (stack, i) in self.ckpt and self.training:
                 x = checkpoint(blk, x, self.cp, use_reentrant=False)
             else:
                 x = blk(x, self.cp)
@@ -301,7 +335,7 @@ class MAE(nn.Module):
             # keep cls_token in this rank's graph (zero gradient): ZeRO buckets gradients as they become
             # ready, and every rank must produce a gradient for the same parameters
             x = x + 0.0 * self.cls_token.to(x.dtype)
-        x = self.run_blocks(self.blocks, x)
+        x = self.run_blocks(self.blocks, x, "enc")
         return self.norm(x)
 
     def forward_decoder(self, latent, ids_restore, offset=0, has_cls=True):
@@ -316,7 +350,7 @@ class MAE(nn.Module):
         x = gather_tokens(torch.cat([x, masked], dim=1), ids_restore)  # unshuffle -> (B, L_loc, dec_dim)
         ids = torch.arange(offset, offset + L_loc, device=x.device)
         x = x + sincos_pos_embed(ids, self.grid, self.dec_dim, x.dtype)  # (L_loc, dec_dim), broadcast
-        x = self.run_blocks(self.decoder_blocks, x)
+        x = self.run_blocks(self.decoder_blocks, x, "dec")
         return self.decoder_pred(self.decoder_norm(x))  # (B, L_loc, P)
 
     def keep_ids(self, noise, cp_rank=0, cp=1):
@@ -356,13 +390,8 @@ class MAE(nn.Module):
         the usual convention for MFU). A multiply-add counts 2 FLOPs.
           per block on N tokens of width C: qkv 6NC^2 + proj 2NC^2 + mlp 16NC^2 (ratio 4) + attention 4N^2C"""
         n = self.n_keep()
-        mlp = int(self.blocks[0].fc1.out_features / self.dim) if len(self.blocks) else 4
-
-        def block(N, C):
-            return (8 + 4 * mlp) * N * C * C + 4 * N * N * C
-
-        enc = 2 * n * self.P * self.dim + len(self.blocks) * block(n + 1, self.dim)
-        dec = (2 * n * self.dim * self.dec_dim + len(self.decoder_blocks) * block(self.L, self.dec_dim)
+        enc = 2 * n * self.P * self.dim + len(self.blocks) * self.block_flops("enc")
+        dec = (2 * n * self.dim * self.dec_dim + len(self.decoder_blocks) * self.block_flops("dec")
                + 2 * self.L * self.dec_dim * self.P)
         return 3 * (enc + dec)
 

@@ -35,9 +35,15 @@ GPUS = {  # dense bf16 FLOP/s, memory, NVLink per direction, network per node (b
 BLOCK_SAVED = 17  # activations saved per token per block, in units of width C (see activation_bytes)
 
 
-def activation_bytes(m, micro_batch, cp, elem, ckpt):
+def ckpt_arg(cfg):
+    """The model's grad_ckpt argument for a config: True (every block), False, or a number of blocks."""
+    return cfg["grad_ckpt"] and (True if cfg["ckpt_blocks"] < 0 else cfg["ckpt_blocks"])
+
+
+def activation_bytes(m, micro_batch, cp, elem, ckpt=None):
     """(persistent, transient) bytes of activations on one rank for a model `m` (model.MAE) whose tokens are
-    split over cp ranks; elem = bytes per activation element (2 for bf16).
+    split over cp ranks; elem = bytes per activation element (2 for bf16). ckpt: the blocks checkpointed (True
+    every one, False none, k the first k of m.ckpt_order()); None: those m checkpoints.
     persistent: what autograd keeps from forward to backward. A pre-norm block on N tokens of width C saves,
       per token: LayerNorm inputs (2C), qkv input (C), q, k, v (3C) and output (C) of the fused attention
       (+ its fp32 log-sum-exp, 4H bytes), proj input (C), fc1 input (C), GELU input (4C), fc2 input (4C) =
@@ -45,19 +51,23 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt):
       inputs of the final norms, decoder_embed and the head, gather indices; the loss (model.mae_loss) keeps
       one fp32 P-wide difference per MASKED token (nm of them: only masked patches go through the error).
     transient: the largest short-lived working set on top: with checkpointing one block recomputed in
-      backward (17C per token); the head's predictions for all tokens (elem), and for the masked ones their
+      backward (17C per token, of the widest checkpointed stack); the head's predictions for all tokens (elem), and for the masked ones their
       gathered copy and its fp32 cast, the gathered targets and their fp32 cast, the squared error (in
       backward the same sizes again, scattered back into an all-token gradient); the input slab (it arrives in
       the compute dtype: train.prepare_batch casts it on the host) and its patchified copy."""
     ne, nd = (m.n_keep() + 1) / cp, m.L / cp
     nm = (m.L - m.n_keep()) / cp  # masked tokens on this rank
+    order = m.ckpt_order()
+    k = len(m.ckpt) if ckpt is None else len(order) if ckpt is True else int(ckpt)
+    chosen = order[:k]
     persistent, recompute = 0.0, 0.0
-    for blocks, N, C in ((m.blocks, ne, m.dim), (m.decoder_blocks, nd, m.dec_dim)):
+    for stack, blocks, N, C in (("enc", m.blocks, ne, m.dim), ("dec", m.decoder_blocks, nd, m.dec_dim)):
         if not len(blocks):
             continue
         per_block = BLOCK_SAVED * C * N * elem + 4 * blocks[0].heads * N
-        persistent += len(blocks) * (C * N * elem if ckpt else per_block)
-        recompute = max(recompute, per_block if ckpt else 0.0)
+        n_ckpt = sum(st == stack for st, _ in chosen)
+        persistent += n_ckpt * C * N * elem + (len(blocks) - n_ckpt) * per_block
+        recompute = max(recompute, per_block if n_ckpt else 0.0)
     persistent += nm * m.P * 4
     # around the blocks: visible patches (patch_embed input), final norm and decoder_embed inputs, decoder norm
     # and head inputs, and the int64 gather indices
@@ -157,8 +167,15 @@ def meta_model(cfg):
                                          mask_strata=cfg["mask_strata"] or cfg["cp"])
 
 
+ACT_MARGIN = 1.15  # the least checkpointing that fits plans for 15 % more activations than modelled (the
+#                    activation model's largest error measured here, bench.py calibrate: 14 %)
+
+
 def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
-    """The analytic plan of config `cfg` (train.py's keys) on `world` GPUs of kind `gpu`."""
+    """The analytic plan of config `cfg` (train.py's keys) on `world` GPUs of kind `gpu`. mfu: the fraction of
+    the GPU's peak FLOP/s sustained on the FLOPs the step executes; those include the forward of every
+    checkpointed block again in backward (so checkpointing costs time, as on the GPU). samples/s counts the
+    model's FLOPs only (flops_per_sample: the usual MFU convention)."""
     g = GPUS[gpu]
     cp = cfg["cp"]
     m = meta_model(cfg)
@@ -166,15 +183,30 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     P, W = n["P"], world
     elem = 4 if cfg["dtype"] == "float32" else 2  # 'auto' is bf16 on a GPU
     states = {k: state_bytes(n, k, W, elem, cfg) for k in ("zero2", "zero3", "fsdp2")}
-    act = sum(activation_bytes(m, cfg["micro_batch"], cp, elem, cfg["grad_ckpt"]))  # peak: both at once
-    act_other = sum(activation_bytes(m, cfg["micro_batch"], cp, elem, not cfg["grad_ckpt"]))
     workspace = 3e9  # CUDA context, cuBLAS/flash workspaces, allocator slack
     ring = 0.0
     if cp > 1:  # the ring holds a second K/V block in flight, and fp32 dk/dv accumulators in backward
         ring = max(4 * N * C * elem + 2 * 2 * N * C * 4 for N, C in (((m.n_keep() + 1) / cp, m.dim), (m.L / cp, m.dec_dim)))
-    mem = {k: (step_bytes(st, act + ring)["peak"] + workspace) / 1e9 for k, st in states.items()}
     fps = m.flops_per_sample()
-    sps = W * g["flops"] * mfu / fps
+    n_blocks = len(m.ckpt_order())
+    strategy = cfg["strategy"]
+
+    def at(k, margin=1.0):  # (memory per GPU by strategy in GB, samples/s) with the first k blocks checkpointed
+        act = margin * sum(activation_bytes(m, cfg["micro_batch"], cp, elem, k))  # peak: both at once
+        mem_k = {s_: (step_bytes(st, act + ring)["peak"] + workspace) / 1e9 for s_, st in states.items()}
+        recompute = sum(m.block_flops(st) for st, _ in m.ckpt_order()[:k])
+        return mem_k, W * g["flops"] * mfu / (fps + recompute)
+
+    m.set_grad_ckpt(ckpt_arg(cfg))
+    k_cfg = len(m.ckpt)
+    mem, sps = at(k_cfg)
+    act = sum(activation_bytes(m, cfg["micro_batch"], cp, elem))
+    act_none, act_all = (sum(activation_bytes(m, cfg["micro_batch"], cp, elem, k)) for k in (0, n_blocks))
+    limit = 0.92 * g["mem_gb"]
+    # the least checkpointing that fits with ACT_MARGIN on the activations (memory falls as k grows)
+    k_fit = next((k for k in range(n_blocks + 1) if at(k, ACT_MARGIN)[0][strategy] <= limit), None)
+    sps_fit = at(k_fit)[1] if k_fit is not None else 0.0
+    sps_full = at(n_blocks)[1]
     # ring traffic per step per rank (all layers, fwd + bwd) and whether compute hides one hop
     ring_bytes, hidden = 0.0, True
     for blocks, N, C in ((m.blocks, (m.n_keep() + 1) / cp, m.dim), (m.decoder_blocks, m.L / cp, m.dec_dim)):
@@ -186,8 +218,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             hidden = hidden and hop_comm <= hop_compute
     voxels = math.prod(cfg["crop"])
     s3_node = sps / max(1, W // gpus_per_node) * voxels * 4  # float32 voxels of every sample, per node
-    strategy = cfg["strategy"]
-    fits = mem[strategy] <= 0.92 * g["mem_gb"]
+    fits = mem[strategy] <= limit
     # what a stop signal costs (checkpoint.StopRequest), so that SLURM's warning before the time limit (launch.sh's
     # srun --signal=USR1@lead) leaves time for it: the step in progress and, on a GPU, one more (the stop flag is
     # read a step late), an evaluation that may be running (forwards only: a third of a training sample's FLOPs,
@@ -205,10 +236,14 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             "flops_per_sample": fps, "mfu": mfu, "samples_per_s": sps,
             "mem_per_gpu_gb": round(mem[strategy], 2), "mem_by_strategy_gb": {k: round(v, 2) for k, v in mem.items()},
             "states_gb": {k: round(step_bytes(st, 0)["peak"] / 1e9, 2) for k, st in states.items()},
-            "activations_gb": round(act / 1e9, 2), "activations_other_ckpt_gb": round(act_other / 1e9, 2),
+            "activations_gb": round(act / 1e9, 2), "activations_no_ckpt_gb": round(act_none / 1e9, 2),
+            "activations_full_ckpt_gb": round(act_all / 1e9, 2),
+            "ckpt_blocks": k_cfg, "blocks": n_blocks, "ckpt_order": list(dict.fromkeys(st for st, _ in m.ckpt_order())),
+            "ckpt_blocks_fit": k_fit, "samples_per_s_ckpt_fit": sps_fit, "samples_per_s_full_ckpt": sps_full,
+            "recompute_flops_per_sample": m.recompute_flops(),
             "ring_gb_per_step_per_rank": round(ring_bytes / 1e9, 2), "ring_hidden_by_compute": hidden,
             "s3_gb_per_s_per_node": round(s3_node / 1e9, 3), "strategy": strategy, "grad_ckpt": cfg["grad_ckpt"],
-            "fits": bool(fits), "limit_gb": round(0.92 * g["mem_gb"], 1),
+            "fits": bool(fits), "limit_gb": round(limit, 1),
             "step_s": step_s, "eval_s": eval_s, "ckpt_gb": round(ckpt_bytes / 1e9, 2), "ckpt_s": ckpt_s,
             "stop_lead_s": stop_lead}
 
@@ -216,17 +251,26 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
 def report(p, name):
     """Print plan p (plan()'s dict) as a table; name: where the config came from."""
     print(f"{name} on {p['world'] // p['gpus_per_node']} x {p['gpus_per_node']} {p['gpu']} = {p['world']} GPUs "
-          f"(dp {p['dp']} x cp {p['cp']}), {p['strategy']}, grad_ckpt={p['grad_ckpt']}")
+          f"(dp {p['dp']} x cp {p['cp']}), {p['strategy']}, {p['ckpt_blocks']} of {p['blocks']} blocks checkpointed")
     rows = [["params", f"{p['params'] / 1e6:.1f} M"], ["tokens / visible", f"{p['tokens']:,} / {p['visible']:,}"],
             ["encoder / decoder tokens per rank", f"{p['enc_tokens_per_rank']:,.0f} / {p['dec_tokens_per_rank']:,.0f}"],
             ["FLOPs per sample (fwd+bwd)", f"{p['flops_per_sample'] / 1e12:.1f} TFLOP"]]
     for k in ("zero2", "zero3", "fsdp2"):
         rows.append([f"memory per GPU, {k}", f"{p['mem_by_strategy_gb'][k]:.1f} GB (states {p['states_gb'][k]:.1f})"])
-    rows += [["activations per GPU", f"{p['activations_gb']:.1f} GB (with grad_ckpt={not p['grad_ckpt']}: "
-                                     f"{p['activations_other_ckpt_gb']:.1f} GB)"],
+    first = {"enc": "encoder", "dec": "decoder"}[p["ckpt_order"][0]]
+    fit = (f"{p['ckpt_blocks_fit']} -> {p['samples_per_s_ckpt_fit']:.2f} samples/s" if p["ckpt_blocks_fit"] is not None
+           else "none fits")
+    rows += [["activations per GPU", f"{p['activations_gb']:.1f} GB (every block checkpointed: "
+                                     f"{p['activations_full_ckpt_gb']:.1f} GB, none: {p['activations_no_ckpt_gb']:.1f} GB)"],
+             ["checkpointed blocks", f"{p['ckpt_blocks']} of {p['blocks']} ({first} blocks first: most bytes per "
+                                     f"recomputed FLOP)"],
+             [f"least that fits (activations x {ACT_MARGIN})", f"{fit}; every block: "
+                                                             f"{p['samples_per_s_full_ckpt']:.2f} samples/s"],
              ["ring traffic per step per rank", f"{p['ring_gb_per_step_per_rank']:.1f} GB, "
                                                f"{'hidden' if p['ring_hidden_by_compute'] else 'NOT hidden'} by compute"],
-             [f"predicted samples/s at {100 * p['mfu']:.0f}% MFU", f"{p['samples_per_s']:.2f}"],
+             [f"predicted samples/s at {100 * p['mfu']:.0f}% of peak", f"{p['samples_per_s']:.2f} (recompute: "
+                                                                   f"{p['recompute_flops_per_sample'] / 1e12:.1f} "
+                                                                   f"TFLOP per sample)"],
              ["S3 read per node at that rate", f"{p['s3_gb_per_s_per_node']:.2f} GB/s (float32, uncompressed)"],
              ["fits", f"{'yes' if p['fits'] else 'NO'}: {p['mem_per_gpu_gb']:.1f} GB of {p['limit_gb']} GB usable"]]
     table(rows, ["quantity", "value"])

@@ -35,6 +35,7 @@ import data
 import evaluate
 import export
 import library
+import plan
 import reader
 import ring_attention
 import strategies
@@ -68,7 +69,8 @@ patch = (16, 16, 16)  # voxels per token
 model_size = "tiny"  # tiny | small | base | large | huge (model.py)
 mask_ratio = 0.75  # fraction of tokens hidden from the encoder
 norm_pix_loss = False  # normalise each target patch by its own mean / std
-grad_ckpt = False  # activation checkpointing: recompute each block in backward
+grad_ckpt = False  # activation checkpointing: keep a block's input only, recompute the block in backward
+ckpt_blocks = -1  # with grad_ckpt: how many blocks (-1 every one; model.ckpt_order which; plan.py: the least)
 # context parallelism: each sample's tokens split over cp ranks (contiguous inline slabs)
 cp = 1  # ranks per sample; world size must be a multiple; at most one node (8) in practice
 cp_impl = "ring"  # ring (ring_attention.py) | torch (PyTorch context_parallel; no CPU backward in torch 2.13)
@@ -160,6 +162,11 @@ def validate(cfg):
                 ring_attention.check_head_dim(d)
             except ValueError as e:
                 raise configurator.ConfigError(f"model_size {cfg['model_size']!r} with cp={cp}: {e}") from None
+    with torch.device("meta"):  # (shapes only)
+        m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"])
+    n_blocks = len(m.blocks) + len(m.decoder_blocks)
+    need(-1 <= cfg["ckpt_blocks"] <= n_blocks, f"ckpt_blocks={cfg['ckpt_blocks']}: -1 (every block) or a number "
+                                               f"of blocks up to the {n_blocks} of model_size {cfg['model_size']!r}")
     need(0.0 <= cfg["min_live"] <= 1.0, f"min_live must be in [0, 1], got {cfg['min_live']}")
     need(cfg["sample_weighting"] in ("volume", "uniform", "manifest"),
          f"sample_weighting must be 'volume', 'uniform' or 'manifest', got {cfg['sample_weighting']!r}")
@@ -301,7 +308,7 @@ def setup(cfg):
     torch.manual_seed(cfg["seed"])
     job.grid = grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
     job.model = model = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
-                                                  norm_pix_loss=cfg["norm_pix_loss"], grad_ckpt=cfg["grad_ckpt"],
+                                                  norm_pix_loss=cfg["norm_pix_loss"], grad_ckpt=plan.ckpt_arg(cfg),
                                                   mask_strata=cfg["mask_strata"] or cp)
     model.set_context_parallel(job.cp_group, cfg["cp_impl"])
     job.n_params = sum(p.numel() for p in model.parameters())  # before any sharding hides them
@@ -381,7 +388,6 @@ def train_step(job, step, batches, stop=0.0):
 def check_launch(cfg):
     """DRY_RUN=1 bash launch.sh ...: every check that needs neither GPUs nor data, for the configured cluster
     of nodes x gpus_per_node, and the planner's verdict on memory. Prints a LAUNCH line that launch.sh reads."""
-    import plan
     gpn = cfg["gpus_per_node"] or torch.cuda.device_count() or int(os.environ.get("NPROC", "2"))
     world, cp = cfg["nodes"] * gpn, cfg["cp"]
     print(f"LAUNCH nodes={cfg['nodes']} gpus_per_node={gpn} world={world} config_gpus={cfg['gpus_per_node']}")
@@ -421,10 +427,16 @@ def check_launch(cfg):
           f"lr = {cfg['blr']} x {gb} / 256 = {cfg['blr'] * gb / 256:.3g}")
     p = plan.plan(cfg, world, "H200", gpus_per_node=gpn)
     print(f"plan (H200): {p['params'] / 1e6:.1f} M params, {p['tokens']:,} tokens ({p['visible']:,} visible), "
-          f"{p['flops_per_sample'] / 1e12:,.1f} TFLOP per sample, ~{p['samples_per_s']:.2f} samples/s at 40 % MFU")
-    print(f"memory per GPU ({cfg['strategy']}, grad_ckpt={cfg['grad_ckpt']}): {p['mem_per_gpu_gb']:.1f} GB of "
-          f"{p['limit_gb']} GB usable (activations {p['activations_gb']:.1f} GB) -> "
+          f"{p['flops_per_sample'] / 1e12:,.1f} TFLOP per sample, ~{p['samples_per_s']:.2f} samples/s at 40 % of peak")
+    print(f"memory per GPU ({cfg['strategy']}, {p['ckpt_blocks']} of {p['blocks']} blocks checkpointed): "
+          f"{p['mem_per_gpu_gb']:.1f} GB of {p['limit_gb']} GB usable (activations {p['activations_gb']:.1f} GB) -> "
           f"{'fits' if p['fits'] else 'DOES NOT FIT'}")
+    fit = p["ckpt_blocks_fit"]
+    print("checkpointing: " + (f"the least that fits with {plan.ACT_MARGIN:.2f} x the activations is {fit} blocks "
+                               f"(grad_ckpt={fit > 0}" + (f", ckpt_blocks={fit}" if 0 < fit < p['blocks'] else "") +
+                               f"): ~{p['samples_per_s_ckpt_fit']:.2f} samples/s; every block: "
+                               f"~{p['samples_per_s_full_ckpt']:.2f}" if fit is not None else
+                               "none fits, even with every block checkpointed"))
     lead = cfg["stop_lead_s"] or p["stop_lead_s"]
     print(f"stop: under SLURM, SIGUSR1 {lead} s before the time limit -> checkpoint, exit {checkpoint.RESUMABLE}"
           f"{' (stop_lead_s)' if cfg['stop_lead_s'] else ''}; the planner's need: 60 s + 1.5 x (2 steps of "
@@ -435,7 +447,9 @@ def check_launch(cfg):
         raise configurator.ConfigError(
             f"does not fit in GPU memory: the planner needs {p['mem_per_gpu_gb']:.1f} GB per GPU under "
             f"{cfg['strategy']} (activations {p['activations_gb']:.1f} GB; by strategy {p['mem_by_strategy_gb']}) and "
-            f"{p['limit_gb']} GB is usable: turn on grad_ckpt, raise cp, lower micro_batch or the model size")
+            f"{p['limit_gb']} GB is usable: "
+            + (f"checkpoint {p['ckpt_blocks_fit']} blocks (grad_ckpt=True, ckpt_blocks={p['ckpt_blocks_fit']})"
+               if p["ckpt_blocks_fit"] is not None else "raise cp, lower micro_batch or the model size"))
     return 0
 
 

@@ -16,11 +16,15 @@ patch = (16, 16, 16)
 model_size = "large"
 mask_ratio = 0.75
 norm_pix_loss = True
-grad_ckpt = True  # activations of 24 + 8 blocks at these lengths are tens of GB without it
+grad_ckpt = False  # the planner: no checkpointing needed here (below); every block would cost 25 % of the speed
 
 # per GPU 1 sample; global batch = 1 x world (128 on 16 x 8 GPUs); lr = 1.5e-4 x 128 / 256 = 7.5e-5
-# planner (python plan.py config/base_102k.py): 22.6 GB per GPU with ZeRO-2 and grad_ckpt (47 GB of
-# activations without it), 66 samples/s on 128 H200 at 40 % MFU, 6.9 GB/s per node from S3 (float32)
+# planner (python plan.py config/base_102k.py; 40 % of peak on the FLOPs executed, recompute included):
+#   no checkpointing: 45.1 GB of activations, 52.8 GB per GPU with ZeRO-2, 65.5 samples/s, 6.9 GB/s per node
+#   from S3 (float32); every block checkpointed: 13.2 GB of activations, 21 GB per GPU, 49.2 samples/s (each
+#   block's forward again in backward: +33 % FLOPs). Its least checkpointing that fits with a 15 % margin on
+#   the activations is 0 blocks. Not yet measured on a GPU: if it runs out of memory, grad_ckpt = True and
+#   ckpt_blocks = a few (model.ckpt_order: encoder blocks first).
 micro_batch = 1
 grad_accum = 1
 blr = 1.5e-4

@@ -11,17 +11,21 @@
 #           inline planes: 192 x 1536 x 2048 x 4 B = 2.4 GB of float32 per rank (19.3 GB the whole sample)
 # cluster:  16 nodes x 8 GPUs = 128 ranks = dp 16 x cp 8 (a CP group is one node: the ring stays on NVLink)
 # model:    ViT-G encoder (1664 wide, 48 deep, 16 heads of 104) = 1.63 B params with the 512 x 8 decoder
-# memory:   per GPU, bf16, grad_ckpt: ~26 GB activations (137 GB without checkpointing: would not fit)
+# memory:   per GPU, bf16: 134 GB of activations without checkpointing (would not fit), 23 GB with every block
+#           checkpointed (36.5 GB per GPU in all, 0.25 samples/s: each block's forward again in backward).
+#           The planner's least checkpointing that fits with a 15 % margin on the activations: 18 blocks (the
+#           encoder's first 18: they free the most memory per recomputed FLOP, model.ckpt_order), 101 GB of
+#           activations, 114 GB per GPU, 0.31 samples/s (+25 %). Not yet measured on a GPU; the breakdown
+#           below is for every block checkpointed:
 #           + 8.5 GB ZeRO-2 state: bf16 weights 2 B x 1.63 B = 3.3 GB (replicated), fp32 master + Adam
 #             12 B x 1.63 B / 128 = 0.15 GB, fp32 gradient share 4 B x 1.63 B / 128 = 0.05 GB, 2 reduce buckets
 #             x 5e8 x 2 B = 2 GB, and while a bucket is reduced its flat copy and fp32 cast 5e8 x (2 + 4) B =
 #             3 GB (gradients are reduced and kept in fp32)
-#           + ring buffers + 3 GB workspace = ~38.9 GB of 141 GB
-#           Memory is not what binds here: activations are dominated by the decoder's 147,456 tokens per
-#           rank, whatever the encoder. Time is: 155 PFLOP per sample (attention over 1.18 M tokens), so
-#           at 40 % MFU the 128 GPUs make ~0.33 samples/s (~50 s per step of 16 samples). G is the largest
-#           of model.py's sizes; the planner says that larger ones would fit too, and be slower still.
-# data:     0.33 samples/s x 19.3 GB / 16 nodes = ~0.4 GB/s per node from S3 (float32, uncompressed)
+#           + ring buffers + 3 GB workspace = ~36.5 GB of 141 GB
+#           Time binds: 155 PFLOP per sample (attention over 1.18 M tokens), so at 40 % of peak the 128 GPUs
+#           make ~0.31 samples/s with 18 blocks recomputed (~52 s per step of 16 samples). G is the largest of
+#           model.py's sizes; the planner says that larger ones would fit too, and be slower still.
+# data:     0.31 samples/s x 19.3 GB / 16 nodes = ~0.37 GB/s per node from S3 (float32, uncompressed)
 out_dir = "out/big_context"
 data_paths = ["s3://your-bucket/survey.mdio"]  # MDIO stores, >= 1536 x 1536 x 2048 each
 crop = (1536, 1536, 2048)
@@ -30,6 +34,7 @@ model_size = "G"
 mask_ratio = 0.75
 norm_pix_loss = True
 grad_ckpt = True
+ckpt_blocks = 18  # of 56: the least that fits (above)
 dtype = "bfloat16"
 strategy = "zero2"  # the published comparison: zero2 1,974 > fsdp2 1,833 > zero3 869 samples/s (smaller crops)
 cp = 8

@@ -148,13 +148,41 @@ def test_tiny_model_overfits_one_batch():
     assert loss.item() <= 0.1 * first, (first, loss.item())
 
 
-def test_grad_ckpt_same_gradients():
+@pytest.mark.parametrize("ckpt", [True, 1, 3, 5])
+def test_grad_ckpt_same_gradients(ckpt):
+    """Every block, or the first k of ckpt_order(): the same gradients as no checkpointing, and exactly the chosen
+    blocks run their forward twice (once more in backward: that is the recompute)."""
     torch.manual_seed(0)
-    a = M.mae_tiny(grid=(2, 2, 2), patch=(4, 4, 4))
-    b = M.mae_tiny(grid=(2, 2, 2), patch=(4, 4, 4), grad_ckpt=True)
+    a = M.mae_tiny(grid=(2, 2, 4), patch=(4, 4, 4))
+    b = M.mae_tiny(grid=(2, 2, 4), patch=(4, 4, 4), grad_ckpt=ckpt)
     b.load_state_dict(a.state_dict())
-    x, noise = torch.randn(2, 1, 8, 8, 8), torch.rand(2, 8)
+    calls = {}  # (forward hooks do not fire in checkpoint's recompute: each block's forward is wrapped instead)
+    for stack, blocks in (("enc", b.blocks), ("dec", b.decoder_blocks)):
+        for i, blk in enumerate(blocks):
+            def counted(*a, _f=blk.forward, _key=(stack, i), **kw):
+                calls[_key] = calls.get(_key, 0) + 1
+                return _f(*a, **kw)
+            blk.forward = counted
+    x, noise = torch.randn(2, 1, 8, 8, 16), torch.rand(2, 16)
     a(x, noise)[0].backward()
     b(x, noise)[0].backward()
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
+    order = b.ckpt_order()
+    k = len(order) if ckpt is True else ckpt
+    assert {key for key, c in calls.items() if c == 2} == set(order[:k]) == b.ckpt
+    assert all(c in (1, 2) for c in calls.values()) and len(calls) == len(order) == 6
+
+
+def test_ckpt_order_frees_the_most_bytes_per_recomputed_flop_first():
+    """A stack's blocks go first when (8 + 4 mlp) C + 4 N is smaller (model.ckpt_order): at big_context's shapes the
+    encoder (1,664 wide, 294,912 tokens) before the decoder (512 wide, 1,179,648 tokens); in a tiny model with few
+    tokens the narrower decoder first."""
+    with torch.device("meta"):
+        big = M.mae_G(grid=(96, 96, 128), patch=(16, 16, 16), mask_strata=8)
+        tiny = M.mae_tiny(grid=(2, 2, 4), patch=(4, 4, 4))
+    assert big.ckpt_order()[0] == ("enc", 0) and big.ckpt_order()[48] == ("dec", 0)
+    assert tiny.ckpt_order()[0] == ("dec", 0)
+    for m in (big, tiny):  # the order is by freed bytes (16 C N per block) per recomputed FLOP
+        per = {st: 16 * C * N / m.block_flops(st) for st, C, N in (("enc", m.dim, m.n_keep() + 1), ("dec", m.dec_dim, m.L))}
+        assert per[m.ckpt_order()[0][0]] >= per[m.ckpt_order()[-1][0]]
