@@ -292,6 +292,16 @@ def gpu_check(argv):
     out.update(sdpa_fwd_ms=round(1000 * t_sdpa_f, 2), sdpa_fwdbwd_ms=round(1000 * t_sdpa_fb, 2),
                ring_sim_fwd_ms=round(1000 * t_sim_f, 2), ring_sim_fwdbwd_ms=round(1000 * t_sim_fb, 2),
                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2 ** 30, 2))
+    # the fused kernel's rate by head dim at 102,400 tokens, beside what plan.py assumes (ATTN_TFLOPS)
+    try:
+        import plan as P
+        rates = attention_rates(dev)
+        table([[d, f"{f:.0f}", f"{fb:.0f}", f"{P.attention_tflops(d):.0f}"] for d, (f, fb) in rates.items()],
+              ["head dim", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "plan.py assumes (fwd)"])
+        out["attention_tflops_by_head_dim"] = {str(d): [round(f, 1), round(fb, 1)] for d, (f, fb) in rates.items()}
+    except Exception as e:
+        out["attention_tflops_by_head_dim"] = f"FAILED: {type(e).__name__}: {e}"
+        print(f"attention by head dim FAILED: {e}")
     # the planner's memory terms where they were only read from the source: the GPU's allocator counters
     # (separate processes, so this runs before anything below initialises DeepSpeed in this one)
     try:
@@ -333,6 +343,37 @@ def gpu_check(argv):
     except Exception as e:
         out["elastic_resume"] = f"FAILED: {type(e).__name__}: {e}"
         print(f"elastic-resume check FAILED: {e}")
+    return out
+
+
+def attention_rates(device, N=102_400, head_dims=(32, 64, 104, 128), width=1024, dtype=torch.bfloat16, reps=3):
+    """The fused attention kernel's useful TFLOP/s (forward, and forward + backward) by head dim, as plan.py's
+    ATTN_TFLOPS assumes them: one sequence of N tokens, about `width` / d heads of d, F.scaled_dot_product_attention
+    (what the ring's blocks run). FLOPs: 4 N^2 H d forward, 2.5 x that backward. Returns {d: (fwd, fwd+bwd)}."""
+    import torch.nn.functional as F
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = {}
+    for d in head_dims:
+        H = max(1, round(width / d))
+        q, k, v, dout = (torch.randn(1, H, N, d, device=device, dtype=dtype) for _ in range(4))
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+        def fwd():
+            F.scaled_dot_product_attention(q, k, v)
+
+        def fwd_bwd():
+            F.scaled_dot_product_attention(qg, kg, vg).backward(dout)
+        times = []
+        for fn in (fwd, fwd_bwd):
+            fn()  # (warm-up)
+            sync()
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            sync()
+            times.append((time.perf_counter() - t) / reps)
+        flops = 4 * N * N * H * d
+        out[d] = (flops / times[0] / 1e12, 3.5 * flops / times[1] / 1e12)
     return out
 
 

@@ -440,6 +440,11 @@ def mae_large(**kw): return MAE(dim=1024, depth=24, heads=16, dec_dim=512, dec_d
 def mae_huge(**kw):  return MAE(dim=1280, depth=32, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)
 def mae_giant(**kw): return MAE(dim=1408, depth=40, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)  # ViT-g
 def mae_G(**kw):     return MAE(dim=1664, depth=48, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)  # ViT-G
+# The same widths and parameters with head dims the fused attention kernels run best (64, 128; plan.py's shape
+# flags): ViT-G's heads of 104 and the decoders' heads of 32 run on padded or slower kernels. Heads change no
+# parameter count (qkv is C x 3C whatever the split); they change the function, so a run cannot switch mid-way.
+def mae_large_h64(**kw): return MAE(dim=1024, depth=24, heads=16, dec_dim=512, dec_depth=8, dec_heads=8, **kw)
+def mae_G_h128(**kw):    return MAE(dim=1664, depth=48, heads=13, dec_dim=512, dec_depth=8, dec_heads=4, **kw)
 
 MODELS = {"tiny": mae_tiny, "small": mae_small, "base": mae_base, "large": mae_large, "huge": mae_huge,
-          "giant": mae_giant, "G": mae_G}
+          "giant": mae_giant, "G": mae_G, "large_h64": mae_large_h64, "G_h128": mae_G_h128}

@@ -167,6 +167,63 @@ def meta_model(cfg):
                                          mask_strata=cfg["mask_strata"] or cfg["cp"])
 
 
+# The fused attention kernel's forward rate by head dim, TFLOP/s on an H100 SXM5 in bf16 (an H200 has the same
+# compute), non-causal, 16k tokens: FlashAttention-2 (what torch's SDPA flash backend and our ring run), as the
+# FlashAttention-3 paper measured it beside its own kernel (Shah et al. 2024, arXiv:2407.08608, Fig. 5): 324 at
+# head dim 64, 370 at 128, 298 at 256. Head dims in between run on the next tile size up (104 on 128's kernel:
+# 104/128 of its FLOPs are ours); 32 is not in the paper: taken as half of 64's rate (the same passes over K and
+# V for half the FLOPs), an assumption until `bench.py gpu-check` measures it (it times 32, 64, 104 and 128 at
+# 102,400 tokens: put its numbers here).
+ATTN_TFLOPS = {64: 324, 128: 370, 256: 298}
+ATTN_TILES = (32, 64, 96, 128, 160, 192, 224, 256)
+
+
+def attention_tflops(d):
+    """Useful attention TFLOP/s of the fused kernel at head dim d (ATTN_TFLOPS, see there)."""
+    tile = next(t for t in ATTN_TILES if t >= d)
+    if tile in ATTN_TFLOPS:
+        rate = ATTN_TFLOPS[tile]
+    elif tile == 32:
+        rate = ATTN_TFLOPS[64] / 2
+    else:  # between two measured sizes: linear in the tile size
+        lo = max(t for t in ATTN_TFLOPS if t < tile)
+        hi = min(t for t in ATTN_TFLOPS if t > tile)
+        rate = ATTN_TFLOPS[lo] + (ATTN_TFLOPS[hi] - ATTN_TFLOPS[lo]) * (tile - lo) / (hi - lo)
+    return rate * d / tile
+
+
+def shapes(m, cp=1):
+    """Each stack's attention and matmul shapes per rank, with what does not suit the GPU's kernels flagged: a head
+    dim that is not a multiple of 64 (fused attention runs on 64-wide tiles or steps of 32: the rest is padding
+    or a slower kernel), a width or matmul dimension that is not a multiple of 128 (tensor-core tiles). Returns
+    (rows, flags, attention seconds per sample on one GPU at the kernel's rate for each head dim and at 128's)."""
+    rows, flags, t_attn, t_attn128 = [], [], 0.0, 0.0
+    mlp = m.blocks[0].fc1.out_features // m.dim if len(m.blocks) else 4
+    for stack, blocks, N, C in (("encoder", m.blocks, m.n_keep() + 1, m.dim), ("decoder", m.decoder_blocks, m.L, m.dec_dim)):
+        if not len(blocks):
+            continue
+        H = blocks[0].heads
+        d = C // H
+        n = N / cp
+        rows.append([stack, f"{len(blocks)} x attention", f"{H} heads x {d}", f"{n:,.0f} x {N:,} tokens",
+                     f"{attention_tflops(d):.0f} TFLOP/s (128: {attention_tflops(128):.0f})"])
+        for name, k_, n_ in (("qkv", C, 3 * C), ("proj", C, C), ("fc1", C, mlp * C), ("fc2", mlp * C, C)):
+            rows.append([stack, name, f"({n:,.0f} x {k_}) @ ({k_} x {n_})", "", ""])
+            if (k_ % 128 or n_ % 128) and C % 128 == 0:
+                flags.append(f"{stack} {name}: ({k_} x {n_}) is not in multiples of 128")
+        if d % 64:
+            flags.append(f"{stack} head dim {d} = {C} / {H} is not a multiple of 64: runs at "
+                         f"{attention_tflops(d):.0f} TFLOP/s against {attention_tflops(128):.0f} at 128 "
+                         f"({C // 128} heads of 128)" if C % 128 == 0 else
+                         f"{stack} head dim {d} = {C} / {H} is not a multiple of 64")
+        if C % 128:
+            flags.append(f"{stack} width {C} is not a multiple of 128")
+        fl = 3.5 * 4 * N * N * C * len(blocks)  # fwd + bwd (the backward does 2.5 x the forward's matmuls)
+        t_attn += fl / (attention_tflops(d) * 1e12)
+        t_attn128 += fl / (attention_tflops(128) * 1e12)
+    return rows, flags, t_attn, t_attn128
+
+
 ACT_MARGIN = 1.15  # the least checkpointing that fits plans for 15 % more activations than modelled (the
 #                    activation model's largest error measured here, bench.py calibrate: 14 %)
 
@@ -219,6 +276,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     voxels = math.prod(cfg["crop"])
     s3_node = sps / max(1, W // gpus_per_node) * voxels * 4  # float32 voxels of every sample, per node
     fits = mem[strategy] <= limit
+    shape_rows, shape_flags, t_attn, t_attn128 = shapes(m, cp)
     # what a stop signal costs (checkpoint.StopRequest), so that SLURM's warning before the time limit (launch.sh's
     # srun --signal=USR1@lead) leaves time for it: the step in progress and, on a GPU, one more (the stop flag is
     # read a step late), an evaluation that may be running (forwards only: a third of a training sample's FLOPs,
@@ -241,6 +299,9 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             "ckpt_blocks": k_cfg, "blocks": n_blocks, "ckpt_order": list(dict.fromkeys(st for st, _ in m.ckpt_order())),
             "ckpt_blocks_fit": k_fit, "samples_per_s_ckpt_fit": sps_fit, "samples_per_s_full_ckpt": sps_full,
             "recompute_flops_per_sample": m.recompute_flops(),
+            "head_dims": {"enc": m.dim // m.blocks[0].heads, "dec": m.dec_dim // m.decoder_blocks[0].heads},
+            "shape_flags": shape_flags, "shapes": shape_rows,
+            "attention_gpu_s_per_sample": t_attn, "attention_gpu_s_per_sample_at_128": t_attn128,
             "ring_gb_per_step_per_rank": round(ring_bytes / 1e9, 2), "ring_hidden_by_compute": hidden,
             "s3_gb_per_s_per_node": round(s3_node / 1e9, 3), "strategy": strategy, "grad_ckpt": cfg["grad_ckpt"],
             "fits": bool(fits), "limit_gb": round(limit, 1),
@@ -274,6 +335,12 @@ def report(p, name):
              ["S3 read per node at that rate", f"{p['s3_gb_per_s_per_node']:.2f} GB/s (float32, uncompressed)"],
              ["fits", f"{'yes' if p['fits'] else 'NO'}: {p['mem_per_gpu_gb']:.1f} GB of {p['limit_gb']} GB usable"]]
     table(rows, ["quantity", "value"])
+    print("\nshapes per rank (tokens: this rank's x the sequence attended to; attention rate: ATTN_TFLOPS, plan.py):")
+    table(p["shapes"], ["stack", "op", "shape", "tokens", "attention rate"])
+    for f in p["shape_flags"]:
+        print(f"  flag: {f}")
+    print(f"  attention, fwd + bwd, at those rates: {p['attention_gpu_s_per_sample']:.1f} GPU-s per sample "
+          f"({p['attention_gpu_s_per_sample_at_128']:.1f} if every head dim ran at 128's rate)")
 
 
 def config_plan(argv):

@@ -19,7 +19,8 @@ out_dir = "out/context_102k"
 data_paths = ["s3://your-bucket/survey.mdio"]  # MDIO stores, >= 640 x 640 x 1024 each
 crop = (640, 640, 1024)
 patch = (16, 16, 16)
-model_size = "G"
+model_size = "G"  # as stage 2 (its shape trade-off: config/big_context.py); "G_h128": 3.6 against 6.1 GPU-s of
+#                   attention per sample here, by the planner's documented kernel rates (not yet measured)
 mask_ratio = 0.75
 norm_pix_loss = True
 grad_ckpt = False  # the planner: fits without (above)

@@ -80,3 +80,31 @@ def test_plan_py_reads_train_defaults_and_prints_the_dry_runs_plan():
     configurator.apply(cfg, [f"{ROOT}/config/big_context.py", "--nodes=4"])
     assert printed == json.loads(json.dumps(plan.plan(cfg, 32, "H200", gpus_per_node=8)))
     assert printed["world"] == 32 and {"fits", "mem_per_gpu_gb", "samples_per_s"} <= set(printed)
+
+
+def test_shapes_flag_head_dims_and_the_aligned_sizes_clear_them():
+    """The planner flags ViT-G's heads of 104 and the decoder's heads of 32 (fused attention runs best at 64 and
+    128); the aligned sizes beside them (model.py) have the same parameters and no flag, and their attention
+    time at plan.py's kernel rates is what every head dim at 128 would give. The smoke test of gpu-check's
+    timing by head dim runs on CPU."""
+    import torch
+
+    import bench
+    import configurator
+    import plan
+    assert plan.attention_tflops(128) == 370 and plan.attention_tflops(64) == 324
+    assert plan.attention_tflops(104) == 370 * 104 / 128 and plan.attention_tflops(32) == 162
+    cfg = configurator.defaults()
+    configurator.apply(cfg, [f"{__import__('conftest').ROOT}/config/big_context.py"])
+    g = plan.plan(cfg, 128)
+    a = plan.plan({**cfg, "model_size": "G_h128"}, 128)
+    assert g["head_dims"] == {"enc": 104, "dec": 32} and a["head_dims"] == {"enc": 128, "dec": 128}
+    assert any("encoder head dim 104" in f for f in g["shape_flags"])
+    assert any("decoder head dim 32" in f for f in g["shape_flags"]) and a["shape_flags"] == []
+    assert a["params"] == g["params"]
+    assert a["attention_gpu_s_per_sample"] == g["attention_gpu_s_per_sample_at_128"] < g["attention_gpu_s_per_sample"]
+    large, aligned = (plan.plan({**cfg, "model_size": m, "cp": 1, "crop": (640, 640, 1024)}, 128)
+                      for m in ("large", "large_h64"))
+    assert large["head_dims"] == {"enc": 64, "dec": 32} and aligned["head_dims"] == {"enc": 64, "dec": 64}
+    rates = bench.attention_rates(torch.device("cpu"), N=256, dtype=torch.float32, reps=1)
+    assert sorted(rates) == [32, 64, 104, 128] and all(f > 0 and fb > 0 for f, fb in rates.values())
