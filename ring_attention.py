@@ -223,6 +223,8 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
 
 
+@torch.compiler.disable  # one opaque op to torch.compile (train.py's compile=True): its P2P ops, timings and
+# autograd.Function are not traced; a compiled block runs up to it and on from its output (a graph break there)
 def ring_attention(q, k, v, group=None, scale=None):
     """Non-causal attention of local queries against the keys/values of every rank in `group`.
     q, k, v: (B, H, N_local, Dh), the same N_local on every rank, ranks holding consecutive shares in
@@ -236,6 +238,7 @@ def ring_attention(q, k, v, group=None, scale=None):
 # PyTorch's own context parallelism, as the alternative (cp_impl = 'torch')
 
 
+@torch.compiler.disable  # (as ring_attention: its global dispatcher switch is no graph op)
 def torch_cp_attention(q, k, v, group=None):
     """The same attention through torch.distributed.tensor.experimental's context_parallel machinery:
     q, k, v become DTensors sharded on the sequence dim over a mesh of `group`, and SDPA on them dispatches

@@ -1,0 +1,86 @@
+"""
+The dry run (DRY_RUN=1 bash launch.sh CONFIG, or train.py --dry_run=True): every check that needs neither GPUs nor
+data, before paying for the cluster. The world size for the configured nodes x gpus_per_node, the SLURM
+allocation, the checkpoint a relaunch would resume from (or the init_from weights) against this config, the
+batch arithmetic, and the planner's verdict (plan.py): memory per GPU, the least activation checkpointing that
+fits, samples/s, the stop lead SLURM's warning needs. Prints LAUNCH lines that launch.sh reads; a config that
+cannot run is a ConfigError (exit 2), the last thing the user sees.
+"""
+
+import json
+import os
+
+import torch
+
+import checkpoint
+import configurator
+import export
+import plan
+
+
+def check_launch(cfg):
+    """DRY_RUN=1 bash launch.sh ...: every check that needs neither GPUs nor data, for the configured cluster
+    of nodes x gpus_per_node, and the planner's verdict on memory. Prints a LAUNCH line that launch.sh reads."""
+    gpn = cfg["gpus_per_node"] or torch.cuda.device_count() or int(os.environ.get("NPROC", "2"))
+    world, cp = cfg["nodes"] * gpn, cfg["cp"]
+    print(f"LAUNCH nodes={cfg['nodes']} gpus_per_node={gpn} world={world} config_gpus={cfg['gpus_per_node']}")
+    print(f"LAUNCH_OUT_DIR={cfg['out_dir']}")  # where launch.sh looks for STOPPED after the ranks exit
+    allocated = os.environ.get("SLURM_JOB_NUM_NODES")
+    if allocated and cfg["nodes"] > int(allocated):
+        raise configurator.ConfigError(f"the config asks for nodes={cfg['nodes']} but this SLURM allocation has "
+                                       f"{allocated}: allocate more nodes, or set --nodes={allocated}")
+    if world % cp:
+        raise configurator.ConfigError(f"world size {world} = {cfg['nodes']} nodes x {gpn} is not divisible by cp={cp}")
+    # the checkpoint this run would resume from must fit it: refused here, before torchrun starts any rank (dtype
+    # 'auto' is left to the ranks: this host may not be the kind of machine they run on)
+    ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
+    done = checkpoint.check_resumable(cfg, ckpt_dir)
+    if done:
+        with open(os.path.join(ckpt_dir, done[-1][1], "COMPLETE")) as f:
+            meta = json.load(f)
+        dt = None if cfg["dtype"] == "auto" else str(getattr(torch, cfg["dtype"]))
+        checkpoint.check_compatible(meta, cfg, world, dt, f"{ckpt_dir}/{done[-1][1]}")
+        print(f"resume: {ckpt_dir}/{done[-1][1]} fits this run" + (
+            "" if meta["world"] == world else f" (written by {meta['world']} rank{'s' * (meta['world'] != 1)}: " + (
+                "DCP reshards it on load)" if cfg["strategy"] == "fsdp2" else
+                "its universal checkpoint, which any number of ranks loads, " + (
+                    "is there)" if os.path.exists(os.path.join(ckpt_dir, done[-1][1], "universal", "COMPLETE")) else
+                    "is made once, at start-up)"))))
+    elif cfg["init_from"]:
+        src, what = export.init_source(cfg["init_from"])
+        export.check_init(src, cfg, cfg["init_from"])
+        print(f"init_from: {what}, a {src['model_size']} MAE trained on {tuple(src['crop'])} crops: fits this run "
+              f"({tuple(cfg['crop'])} crops); a warm start at step 0 with a fresh optimizer")
+    if cp > gpn:
+        print(f"warning: cp={cp} spans more than one node ({gpn} GPUs each): the ring would cross the network")
+    dp = world // cp
+    gb = cfg["micro_batch"] * cfg["grad_accum"] * dp
+    print(f"cluster: {cfg['nodes']} nodes x {gpn} ranks = world {world} = dp {dp} x cp {cp}")
+    print(f"batch: micro_batch {cfg['micro_batch']} x grad_accum {cfg['grad_accum']} x dp {dp} = global batch {gb}; "
+          f"lr = {cfg['blr']} x {gb} / 256 = {cfg['blr'] * gb / 256:.3g}")
+    p = plan.plan(cfg, world, "H200", gpus_per_node=gpn)
+    print(f"plan (H200): {p['params'] / 1e6:.1f} M params, {p['tokens']:,} tokens ({p['visible']:,} visible), "
+          f"{p['flops_per_sample'] / 1e12:,.1f} TFLOP per sample, ~{p['samples_per_s']:.2f} samples/s at 40 % of peak")
+    print(f"memory per GPU ({cfg['strategy']}, {p['ckpt_blocks']} of {p['blocks']} blocks checkpointed): "
+          f"{p['mem_per_gpu_gb']:.1f} GB of {p['limit_gb']} GB usable (activations {p['activations_gb']:.1f} GB) -> "
+          f"{'fits' if p['fits'] else 'DOES NOT FIT'}")
+    fit = p["ckpt_blocks_fit"]
+    print("checkpointing: " + (f"the least that fits with {plan.ACT_MARGIN:.2f} x the activations is {fit} blocks "
+                               f"(grad_ckpt={fit > 0}" + (f", ckpt_blocks={fit}" if 0 < fit < p['blocks'] else "") +
+                               f"): ~{p['samples_per_s_ckpt_fit']:.2f} samples/s; every block: "
+                               f"~{p['samples_per_s_full_ckpt']:.2f}" if fit is not None else
+                               "none fits, even with every block checkpointed"))
+    lead = cfg["stop_lead_s"] or p["stop_lead_s"]
+    print(f"stop: under SLURM, SIGUSR1 {lead} s before the time limit -> checkpoint, exit {checkpoint.RESUMABLE}"
+          f"{' (stop_lead_s)' if cfg['stop_lead_s'] else ''}; the planner's need: 60 s + 1.5 x (2 steps of "
+          f"{p['step_s']:.1f} s + an evaluation of {p['eval_s']:.1f} s + a {p['ckpt_gb']:.1f} GB checkpoint in "
+          f"{p['ckpt_s']:.1f} s at {cfg['ckpt_write_gbps']} GB/s) = {p['stop_lead_s']} s")
+    print(f"LAUNCH_STOP_LEAD_S={lead}")
+    if not p["fits"] and (torch.cuda.is_available() or os.environ.get("DRY_RUN") == "1"):
+        raise configurator.ConfigError(
+            f"does not fit in GPU memory: the planner needs {p['mem_per_gpu_gb']:.1f} GB per GPU under "
+            f"{cfg['strategy']} (activations {p['activations_gb']:.1f} GB; by strategy {p['mem_by_strategy_gb']}) and "
+            f"{p['limit_gb']} GB is usable: "
+            + (f"checkpoint {p['ckpt_blocks_fit']} blocks (grad_ckpt=True, ckpt_blocks={p['ckpt_blocks_fit']})"
+               if p["ckpt_blocks_fit"] is not None else "raise cp, lower micro_batch or the model size"))
+    return 0
