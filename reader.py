@@ -389,8 +389,9 @@ class Volume:
         key = self.chunk_key(coords)
         for attempt in range(self.opts.retries + 1):
             raw = await self.arr.store_path.store.get(key, prototype=_BUFFERS)
-            if raw is None:  # never written: the fill value, by Zarr's rules
-                return await loop.run_in_executor(self.opts.pool, out[dst].fill, self.arr.fill_value)
+            if raw is None:  # never written: the fill value, by Zarr's rules (none given: zero, as zarr reads it)
+                fill = self.arr.fill_value if self.arr.fill_value is not None else 0
+                return await loop.run_in_executor(self.opts.pool, out[dst].fill, fill)
             try:
                 return await loop.run_in_executor(self.opts.pool, _place, self.decode, raw, out, dst, src)
             except Exception as e:

@@ -144,6 +144,7 @@ LAYOUTS = {  # name: (zarr_format, dtype, compressors or compressor, extra creat
     "v2 blosc (MDIO v0)": (2, "<f4", "blosc", {}),
     "v2 zstd big-endian": (2, ">f4", "zstd", {}),
     "v2 uncompressed": (2, "<f4", None, {}),
+    "v2 without a fill value": (2, "<f4", "zstd", {"fill_value": None}),
 }
 
 
@@ -164,6 +165,7 @@ def test_every_layout_reads_what_zarr_reads(layout, tmp_path):
                                 compressors=comp, **extra)
     else:
         compressor = {"blosc": numcodecs.Blosc(cname="lz4"), "zstd": numcodecs.Zstd(level=1), None: None}[comp]
+        fill = extra.get("fill_value", fill)
         arr = zarr.create_array(path, shape=vals.shape, chunks=(8, 8, 16), dtype=dtype, fill_value=fill,
                                 zarr_format=2, compressors=compressor)
     arr[:] = vals
@@ -185,4 +187,4 @@ def test_every_layout_reads_what_zarr_reads(layout, tmp_path):
         assert np.array_equal(got, v.read(origin, shape, normalize=False), equal_nan=True)
     if "sharded" not in layout:  # the chunk never written: all fill value
         missing = v.read((8, 8, 16), (8, 8, 16), normalize=False)
-        assert (missing == 0).all() if fill == 0 else np.isnan(missing).all()
+        assert (missing == 0).all() if fill in (0, None) else np.isnan(missing).all()
