@@ -46,17 +46,29 @@ def bench_step(argv, warmup=3, steps=10):
     also run in fp32 right after, in the same process, and the two are printed side by side.
     --ckpt_sweep=True: the config with no block, half the blocks (the first of model.ckpt_order) and every block
     checkpointed, one after another in this process: time per step, the planner's FLOPs executed per sample
-    (recompute included) and the planned activation bytes, side by side."""
+    (recompute included) and the planned activation bytes, side by side.
+    --compile_compare=True: the config eager, then with compile=True (each block torch.compile'd; the compile
+    happens in the warm-up steps and is timed apart), side by side; the ratio in the JSON line."""
     import configurator
     import train
     cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
-    extra = {"ckpt_sweep": False}
+    extra = {"ckpt_sweep": False, "compile_compare": False}
     args = [a for a in argv if not any(a.startswith(f"--{k}=") for k in extra)]
     configurator.apply(extra, [a for a in argv if a not in args])
     configurator.apply(cfg, args)
     train.validate(cfg)
     if extra["ckpt_sweep"]:
         return _ckpt_sweep(cfg, args, warmup, steps)
+    if extra["compile_compare"]:
+        runs = {c: _time_steps({**cfg, "compile": c}, args, warmup, steps, quiet=True) for c in (False, True)}
+        out = {"bench": "step_compile", "config": args[0] if args else "defaults", "device": runs[False]["device"],
+               "ms_per_step_eager": runs[False]["ms_per_step"], "ms_per_step_compiled": runs[True]["ms_per_step"],
+               "warmup_s_eager": runs[False]["warmup_s"], "warmup_s_compiled": runs[True]["warmup_s"],
+               "speedup_compiled": round(runs[False]["ms_per_step"] / runs[True]["ms_per_step"], 3)}
+        table([[name, f"{runs[c]['ms_per_step']:.1f}", f"{runs[c]['warmup_s']:.1f}"]
+               for name, c in (("eager", False), ("compiled", True))], ["blocks", "ms/step", f"{warmup} warm-up steps, s"])
+        print(f"compiled vs eager in this run: {out['speedup_compiled']:.2f}x the speed")
+        return out
     res = _time_steps(cfg, argv, warmup, steps)
     if res["dtype"] == "bfloat16":
         fp32 = _time_steps({**cfg, "dtype": "float32"}, argv, warmup, steps)
@@ -96,9 +108,11 @@ def _time_steps(cfg, argv, warmup, steps, quiet=False):
     batches = train.micro_batches(job, 0, warmup + steps)
     sync = torch.cuda.synchronize if job.on_gpu else (lambda: None)
     try:
+        t0 = time.perf_counter()
         for s in range(warmup):
             train.train_step(job, s, batches)
         sync()
+        warm = time.perf_counter() - t0
         t, wait = time.perf_counter(), 0.0
         for s in range(warmup, warmup + steps):
             wait += train.train_step(job, s, batches)[2]
@@ -115,7 +129,7 @@ def _time_steps(cfg, argv, warmup, steps, quiet=False):
            "dtype": str(job.dtype).replace("torch.", ""), "threads": threads, "tokens": job.model.L,
            "global_batch": job.global_batch, "ms_per_step": round(1000 * dt, 2), "samples_per_s": round(sps, 3),
            "achieved_flops": achieved, "matmul_flops": peak, "frac_of_matmul": round(achieved / peak, 4),
-           "data_wait_frac": round(wait / (dt * steps), 4)}
+           "data_wait_frac": round(wait / (dt * steps), 4), "warmup_s": round(warm, 2)}
     if quiet:
         return res
     table([[res["config"], res["device"], res["threads"], res["tokens"], res["global_batch"],
