@@ -13,7 +13,7 @@ gives it back as soon as its bytes are in. Decompression (numcodecs, which relea
 the crop run in a small pool of threads, never on the loop, whose one thread must stay free to start the next
 requests the moment places come back. Measured behind 20 ms emulated latency on 2 cores (bench.py data): a
 thread per request reached 84 / 78 / 68 / 62 % of min(link limit, CPU ceiling) at 1 / 4 / 16 / 64 in flight;
-this design 91 / 90 / 84 / 83 %.
+this design 88-91 / 88-90 / 82-84 / 82-83 % (two runs).
 
 Normalisation uses per-volume statistics from the store's metadata (not per sample): the amplitude
 scale of a survey carries meaning, and inference must normalise the same way. Dead traces are stored
