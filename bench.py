@@ -347,6 +347,11 @@ def gpu_check(argv):
     except Exception as e:  # report, do not hide the attention results above
         out["quickstart_step"] = f"FAILED: {type(e).__name__}: {e}"
         print(f"quickstart step on GPU FAILED: {e}")
+    try:  # torch.compile of the blocks on this GPU: eager vs compiled steps of the quickstart, side by side
+        out["compile"] = bench_step(["config/quickstart.py", "--compile_compare=True", "--out_dir=/tmp/gpu_check_cc"])
+    except Exception as e:
+        out["compile"] = f"FAILED: {type(e).__name__}: {e}"
+        print(f"compile check FAILED: {e}")
     try:
         out["stop_signal"] = gpu_stop_check()
     except Exception as e:
