@@ -32,15 +32,17 @@ def ricker(f_peak, dt, n=None):
     return (1 - 2 * a) * np.exp(-a)
 
 
-def synthetic_volume(shape, seed=0, dt=0.004, f_peak=25.0, snr=8.0, dead_frac=0.02):
-    """A seismic-like float32 volume of `shape` = (inline, crossline, time).
+def synthetic_volume(shape, seed=0, dt=0.004, f_peak=25.0, snr=8.0, dead_frac=0.02, n_faults=1, labels=False):
+    """A seismic-like float32 volume of `shape` = (inline, crossline, time); with labels=True also its fault
+    labels: (vol, fault mask (bool, the voxels within FAULT_HALF_WIDTH of a fault plane), the planes).
 
     Geology first, then physics:
       * a 1D reflectivity series in "geologic time" tau: blocky impedance layers, reflectivity = the
         relative impedance change at each layer boundary;
       * structure maps every voxel (i, j, t) to the tau it images: a regional dip along both lateral
-        axes, folds whose amplitude grows with depth, and one normal fault plane across which the deeper
-        block is thrown down;
+        axes, folds whose amplitude grows with depth, and n_faults normal fault planes, each with a random
+        strike, dip and throw, across which one block is thrown down (the first fault is the one the volume
+        always had: n_faults=1 gives the same volume as before faults could be several);
       * the reflectivity sampled at tau(i, j, t), convolved along time with a Ricker wavelet;
       * Gaussian noise at signal-to-noise ratio `snr` (by RMS), and a rectangular patch of dead traces
         (NaN, as MDIO stores missing traces) covering about `dead_frac` of the lateral area."""
@@ -63,10 +65,22 @@ def synthetic_volume(shape, seed=0, dt=0.004, f_peak=25.0, snr=8.0, dead_frac=0.
     lam_i, lam_j = rng.uniform(0.6, 1.5, size=2) * max(ni, nx)
     fold = rng.uniform(2, 6) * (t / nt) * np.sin(2 * np.pi * i / lam_i) * np.cos(2 * np.pi * j / lam_j)
     tau = nt + t + dip_i * i + dip_j * j + fold
-    # a normal fault: plane through the volume centre, dipping in time; the far side is thrown down
-    a, b = rng.uniform(-1, 1, size=2)
-    side = a * (i - ni / 2) + b * (j - nx / 2) + 0.5 * (t - nt / 2) * max(ni, nx) / nt > 0
-    tau = tau - side * rng.uniform(4, 10)
+    # normal faults: planes n . (i, j, t) = c; the side where n . x > c is thrown down. The first goes through
+    # the volume centre and is drawn from the volume's own stream (as it always was); the others from a stream of
+    # their own (seed, 1), anywhere in the middle half of the volume
+    planes = []
+    a, b = rng.uniform(-1, 1, size=2)  # strike and dip: the lateral components of the normal
+    normal = np.array([a, b, 0.5 * max(ni, nx) / nt])
+    planes.append({"normal": normal, "offset": float(normal @ [ni / 2, nx / 2, nt / 2]), "throw": rng.uniform(4, 10)})
+    more = np.random.default_rng([seed, 1])
+    for _ in range(n_faults - 1):
+        a, b = more.uniform(-1, 1, size=2)
+        normal = np.array([a, b, more.uniform(0.3, 0.8) * max(ni, nx) / nt])
+        centre = [more.uniform(0.25, 0.75) * n for n in (ni, nx, nt)]
+        planes.append({"normal": normal, "offset": float(normal @ centre), "throw": more.uniform(4, 10)})
+    for f in planes:
+        side = f["normal"][0] * i + f["normal"][1] * j + f["normal"][2] * t - f["offset"] > 0
+        tau = tau - side * f["throw"]
     # convolve the reflectivity with the wavelet once, on the fine tau grid (the wavelet sampled at
     # dt / over), then read the band-limited trace at every voxel's tau. Interpolating a smooth trace
     # keeps reflectors continuous from trace to trace; interpolating the spikes would not.
@@ -78,7 +92,24 @@ def synthetic_volume(shape, seed=0, dt=0.004, f_peak=25.0, snr=8.0, dead_frac=0.
     if dead_frac > 0:
         di, dj = max(1, int(ni * dead_frac ** 0.5)), max(1, int(nx * dead_frac ** 0.5))
         vol[:di, nx - dj:, :] = np.nan
-    return vol
+    if not labels:
+        return vol
+    return vol, fault_mask(shape, planes), planes
+
+
+FAULT_HALF_WIDTH = 1.0  # voxels: a fault is labelled on the voxels within this distance of its plane (~2 thick)
+
+
+def fault_mask(shape, planes, half_width=FAULT_HALF_WIDTH):
+    """(inline, crossline, time) bool: the voxels whose centre lies within half_width of a fault plane (the
+    distance of x to n . x = c is |n . x - c| / |n|), the labels of fault segmentation."""
+    i, j, t = (np.arange(n, dtype=np.float64).reshape([-1 if k == a else 1 for k in range(3)])
+               for a, n in enumerate(shape))
+    mask = np.zeros(shape, dtype=bool)
+    for f in planes:
+        n = f["normal"]
+        mask |= np.abs(n[0] * i + n[1] * j + n[2] * t - f["offset"]) <= half_width * np.linalg.norm(n)
+    return mask
 
 
 # -----------------------------------------------------------------------------
@@ -93,8 +124,10 @@ def volume_stats(vol):
             "min": float(live.min()), "max": float(live.max()), "histogram": {"counts": [], "binCenters": []}}
 
 
-def write_mdio(path, vol, chunks=(64, 64, 64), first_inline=1, first_crossline=1, dt_ms=4):
-    """Write `vol` (inline, crossline, time), NaN = dead trace, as a local MDIO v1 store at `path`.
+def write_mdio(path, vol, chunks=(64, 64, 64), first_inline=1, first_crossline=1, dt_ms=4, fault=None):
+    """Write `vol` (inline, crossline, time), NaN = dead trace, as a local MDIO v1 store at `path`; with `fault`
+    (a bool mask of the same shape: synthetic_volume's labels) also a second variable `fault` (uint8, 1 on a
+    fault), chunked as the amplitude, on the same dimensions.
     Written to `path + '.tmp'` then renamed, so a crash never leaves a half-written store behind, and
     an existing store is never overwritten."""
     if os.path.exists(path):
@@ -115,6 +148,13 @@ def write_mdio(path, vol, chunks=(64, 64, 64), first_inline=1, first_crossline=1
     mask = root.create_array("trace_mask", shape=live.shape, chunks=live.shape, dtype="bool", fill_value=False,
                              dimension_names=["inline", "crossline"])
     mask[:] = live
+    if fault is not None:
+        if fault.shape != vol.shape:
+            raise DataError(f"fault mask of shape {fault.shape} for a volume of shape {vol.shape}")
+        lab = root.create_array("fault", shape=vol.shape, chunks=amp.chunks, dtype="uint8", fill_value=0,
+                                compressors=blosc, dimension_names=["inline", "crossline", "time"])
+        lab[:] = fault.astype(np.uint8)
+        lab.attrs["description"] = "1 on the voxels within %g of a fault plane (synthetic.py)" % FAULT_HALF_WIDTH
     for name, n, start, step in [("inline", ni, first_inline, 1), ("crossline", nx, first_crossline, 1),
                                  ("time", nt, 0, dt_ms)]:
         c = root.create_array(name, shape=(n,), chunks=(n,), dtype="int32", dimension_names=[name])

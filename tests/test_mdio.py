@@ -188,3 +188,33 @@ def test_every_layout_reads_what_zarr_reads(layout, tmp_path):
     if "sharded" not in layout:  # the chunk never written: all fill value
         missing = v.read((8, 8, 16), (8, 8, 16), normalize=False)
         assert (missing == 0).all() if fill in (0, None) else np.isnan(missing).all()
+
+
+def test_synthetic_fault_labels_sit_on_the_throw_and_are_written_beside_the_amplitude(tmp_path):
+    """synthetic_volume(labels=True): the fault mask is every voxel within FAULT_HALF_WIDTH of a fault plane and
+    no other, the data break across it (with no noise, the amplitude changes from one crossline to the next far
+    more at the labelled voxels than away from them), and write_mdio stores it as a second variable that plain
+    zarr opens with its dimension names. One fault (the default) gives the same volume as before faults could be
+    several: the quickstart's data did not change."""
+    import hashlib
+
+    import synthetic
+    for shape, seed, digest in (((48, 32, 64), 3, "f6eee2ff1a75d6fb"), ((128, 128, 256), 0, "58d1aa87bac32005")):
+        v = synthetic.synthetic_volume(shape, seed=seed)
+        assert hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()[:16] == digest
+    shape = (48, 40, 96)
+    vol, mask, planes = synthetic.synthetic_volume(shape, seed=7, n_faults=3, labels=True, snr=1e9, dead_frac=0)
+    assert len(planes) == 3 and mask.shape == shape and 0.02 < mask.mean() < 0.3
+    i, j, t = np.meshgrid(*(np.arange(n) for n in shape), indexing="ij")
+    dist = np.min([np.abs(f["normal"][0] * i + f["normal"][1] * j + f["normal"][2] * t - f["offset"])
+                   / np.linalg.norm(f["normal"]) for f in planes], axis=0)
+    assert np.array_equal(mask, dist <= synthetic.FAULT_HALF_WIDTH)
+    step = np.abs(np.diff(vol, axis=1))  # crossline to crossline
+    on, off = mask[:, 1:] | mask[:, :-1], dist[:, 1:] > 4
+    assert step[on].mean() > 2 * step[off].mean(), (step[on].mean(), step[off].mean())
+    path = synthetic.write_mdio(str(tmp_path / "faults.mdio"), vol, chunks=(16, 16, 32), fault=mask)
+    g = zarr.open_group(path, mode="r")
+    assert g["fault"].metadata.dimension_names == ("inline", "crossline", "time")
+    assert np.array_equal(np.asarray(g["fault"][:]).astype(bool), mask)
+    v = reader.Volume(path)  # the amplitude is still what a run reads
+    assert np.array_equal(v.read((0, 0, 0), shape, normalize=False), vol)
