@@ -8,6 +8,7 @@ The measured numbers. Each subcommand prints a table, then one JSON line as the 
     python bench.py library [--stores=(100,1000)]                  start-up and memory per rank vs library size
     python bench.py plan CONFIG [--key=value ...]                  will it fit and how fast: the analytic planner
     python bench.py strategies CONFIG [--key=value ...]            zero2 vs zero3 vs fsdp2 on 2 ranks here
+    python bench.py embed                                          embed.py's tokens/s beside training's
 
 Speed is shown here, side by side in one run, never asserted in tests: the machine is noisy, ratios
 measured together are what carry over.
@@ -1052,6 +1053,37 @@ def bench_plan(argv):
     return p
 
 
+def bench_embed(argv, steps=20):
+    """embed.py's throughput (tokens encoded per second, every token visible) beside training's (tokens per second
+    through the whole MAE step) on this machine, one process each, on the quickstart's volume and model shape: a
+    quickstart run of `steps` steps is trained first, and embed.py encodes the whole volume with its checkpoint."""
+    import subprocess
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else ""))
+    with tempfile.TemporaryDirectory() as d:
+        qs = [os.path.join(here, "config/quickstart.py"), f"--data_paths=['{d}/qs.mdio']", "--make_synthetic=True",
+              f"--out_dir={d}/run", f"--max_steps={steps}", "--figures=False", "--val_frac=0.0", *argv]
+        t = bench_step(qs, warmup=3, steps=10)  # (also writes the store)
+        r = subprocess.run([sys.executable, os.path.join(here, "train.py"), *qs], env=env, capture_output=True,
+                           text=True, cwd=here)
+        if r.returncode != 0:
+            raise SystemExit(f"training for bench embed failed: {r.stderr[-2000:]}")
+        e = subprocess.run([sys.executable, os.path.join(here, "embed.py"), f"{d}/run", f"{d}/qs.mdio",
+                            f"--out={d}/features.zarr"], env=env, capture_output=True, text=True, cwd=here)
+        if e.returncode != 0:
+            raise SystemExit(f"embed.py failed: {e.stderr[-2000:]}")
+        emb = json.loads(e.stdout.strip().splitlines()[-1])
+    train_tok = t["samples_per_s"] * t["tokens"]
+    out = {"bench": "embed", "device": t["device"], "embed_tokens_per_s": emb["tokens_per_s"],
+           "train_tokens_per_s": round(train_tok, 1), "embed_vs_train": round(emb["tokens_per_s"] / train_tok, 3),
+           "windows": emb["windows"], "grid": emb["grid"]}
+    print(f"\nquickstart volume, one process ({t['device']}): the whole volume in {emb['windows']} windows")
+    table([["train (fwd + bwd, 25 % visible to the encoder)", f"{train_tok:,.0f}"],
+           ["embed (encoder only, every token visible)", f"{emb['tokens_per_s']:,.0f}"]], ["what", "tokens/s"])
+    return out
+
+
 # -----------------------------------------------------------------------------
 # strategies: the same config under zero2, zero3 and fsdp2 as real 2-rank jobs on this machine, beside the
 # published figures on 128 H200 (ZeRO-2 1,974, FSDP2 1,833, ZeRO-3 869 samples/s).
@@ -1146,7 +1178,7 @@ if __name__ == "__main__":
         _library_worker(sys.argv[2:])
         sys.exit(0)
     cmds = {"strategies": bench_strategies, "plan": bench_plan, "step": bench_step, "attention": bench_attention, "gpu-check": gpu_check, "data": bench_data,
-            "library": bench_library, "bf16": bench_bf16}
+            "library": bench_library, "bf16": bench_bf16, "embed": bench_embed}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         print(f"usage: python bench.py {{{'|'.join(cmds)}}} [CONFIG] [--key=value ...]", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,80 @@
+"""embed.py: encoder features of a whole survey. The same features on 1 rank, on 2 dp ranks and on a cp 2 group
+(ring attention), and after a stop and restart (fp32 features, to 1e-4); the windows' owned boxes tile the token
+grid exactly once; the store opens with plain zarr, with named dimensions and the survey's coordinates at the
+token centres. The model: the zero2 run of conftest.strategy_runs, given as its out_dir (embed.py exports its
+newest checkpoint once)."""
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zarr
+
+import embed
+from conftest import ROOT, job_env
+
+
+def run_embed(args, nproc=1):
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1
+           else [sys.executable]) + [os.path.join(ROOT, "embed.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("grid,w,stride", [((6, 4, 8), (2, 2, 4), (1, 1, 2)), ((7, 5, 9), (3, 2, 4), (2, 2, 3)),
+                                           ((4, 4, 4), (4, 4, 4), (2, 2, 2)), ((10, 3, 6), (4, 3, 2), (3, 1, 1))])
+def test_owned_boxes_tile_the_grid_once_and_sit_inside_their_windows(grid, w, stride):
+    count = np.zeros(grid, dtype=int)
+    for _, org, box in embed.plan_windows(grid, w, stride):
+        for (lo, hi), o, n in zip(box, org, w):
+            assert o <= lo < hi <= o + n  # a window owns only tokens it encodes
+        count[tuple(slice(lo, hi) for lo, hi in box)] += 1
+    assert (count == 1).all()
+
+
+def test_features_are_the_same_on_any_layout_and_after_a_restart(small_store, strategy_runs, tmp_path):
+    model = str(strategy_runs["zero2"][0])
+    out = {name: str(tmp_path / f"{name}.zarr") for name in ("one", "dp2", "cp2", "restart")}
+    base = [model, small_store, "--dtype=float32"]
+    assert run_embed(base + [f"--out={out['one']}"]).returncode == 0
+    for name, extra, nproc in (("dp2", [], 2), ("cp2", ["--cp=2"], 2)):
+        r = run_embed(base + [f"--out={out[name]}"] + extra, nproc=nproc)
+        assert r.returncode == 0, r.stderr[-3000:]
+    r = run_embed(base + [f"--out={out['restart']}", "--stop_after=7"])
+    assert r.returncode == 75 and len(os.listdir(os.path.join(out["restart"], "embed_done"))) == 7, r.stderr[-2000:]
+    r = run_embed(base + [f"--out={out['restart']}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    ref = np.asarray(zarr.open_group(out["one"], mode="r")["features"][:])
+    assert ref.shape == (6, 4, 8, 96) and info["grid"] == [6, 4, 8] and info["windows"] == 45
+    assert np.isfinite(ref).all() and (np.abs(ref).sum(-1) > 0).all()  # every token written
+    for name in ("dp2", "cp2", "restart"):
+        got = np.asarray(zarr.open_group(out[name], mode="r")["features"][:])
+        assert np.abs(got - ref).max() <= 1e-4, (name, np.abs(got - ref).max())
+    # plain zarr: named dimensions, the survey's coordinates at token centres (write_mdio: inline and crossline
+    # numbers from 1, time in ms at 4 ms: token k of patch 8 is centred on voxel 8 k + 3.5)
+    g = zarr.open_group(out["one"], mode="r")
+    assert g["features"].metadata.dimension_names == ("inline", "crossline", "time", "feature")
+    k = np.arange(6)
+    assert np.allclose(g["inline"][:], 1 + 8 * k + 3.5) and np.allclose(g["time"][:], 4 * (8 * np.arange(8) + 3.5))
+    assert g.attrs["stride"] == [8, 8, 16] and g.attrs["patch"] == [8, 8, 8]
+    assert os.path.getsize(out["one"] + ".png") > 10_000  # the principal-component picture
+    # a second run into a store of other features is refused, nothing written
+    r = run_embed([model, small_store, f"--out={out['one']}", "--stride=(8,8,8)"])
+    assert r.returncode == 2 and "holds features of another" in r.stderr, r.stderr[-2000:]
+
+
+def test_every_window_owns_its_centre():
+    """Where windows overlap, a token's feature comes from the window in which it is most central: the window
+    whose centre is nearest along every axis."""
+    grid, w, stride = (9, 7, 11), (4, 3, 5), (2, 2, 3)
+    wins = embed.plan_windows(grid, w, stride)
+    for t in itertools.product(*(range(n) for n in grid)):
+        (_, org, _), = [x for x in wins if all(lo <= c < hi for c, (lo, hi) in zip(t, x[2]))]
+        others = [o for _, o, _ in wins]
+        for ax in range(3):
+            d = abs(t[ax] + 0.5 - (org[ax] + w[ax] / 2))
+            assert all(d <= abs(t[ax] + 0.5 - (o[ax] + w[ax] / 2)) for o in others if all(
+                o_ <= c < o_ + n for k, (c, o_, n) in enumerate(zip(t, o, w)) if k != ax) and o[ax] <= t[ax] < o[ax] + w[ax])
