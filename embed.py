@@ -74,6 +74,42 @@ def plan_windows(grid, w, stride):
     return out
 
 
+def encode(model, x, offset=0):
+    """x (1, 1, Z, Y, X) normalised voxels (this rank's slab of a window under cp) -> (Z/pz, Y/py, X/px, D) fp32
+    features: every token visible, no cls token; offset: the slab's first token in the window (cp rank x tokens)."""
+    from model import patchify
+    with torch.no_grad():
+        p = patchify(x, model.patch)  # (1, L_loc, P)
+        ids = torch.arange(p.shape[1], device=x.device)[None]
+        z = model.forward_encoder(p, ids, offset=offset, has_cls=False)[0]  # (L_loc, D)
+    return z.float().cpu().numpy().reshape(*(n // q for n, q in zip(x.shape[2:], model.patch)), -1)
+
+
+def prepare(model, crop, cp=1):
+    """The encoder for windows of `crop` voxels (its positions follow the window's token grid)."""
+    w = tuple(c // p for c, p in zip(crop, model.patch))
+    model.grid, model.L = w, math.prod(w)  # positions are sin-cos of grid coordinates: any window size works
+    model.mask_strata = cp  # (nothing is masked here; set_context_parallel only asks that strata split over cp)
+    return w
+
+
+def features_of(model, vol, crop, stride):
+    """The features of a whole normalised volume (numpy, (I, X, T) voxels) in this one process: (I/pz, X/py, T/px,
+    D), each token from the window in which it is most central (what embed.py writes, without a store)."""
+    patch = model.patch
+    w = prepare(model, crop)
+    grid = tuple(s // p for s, p in zip(vol.shape, patch))
+    out = None
+    for _, org, box in plan_windows(grid, w, tuple(s // p for s, p in zip(stride, patch))):
+        v0 = tuple(o * p for o, p in zip(org, patch))
+        x = torch.from_numpy(np.ascontiguousarray(vol[tuple(slice(a, a + c) for a, c in zip(v0, crop))]))[None, None]
+        z = encode(model, x.float())
+        if out is None:
+            out = np.zeros(grid + (z.shape[-1],), dtype=np.float32)
+        out[tuple(slice(lo, hi) for lo, hi in box)] = z[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(box, org))]
+    return out
+
+
 def token_coords(vol, grid, patch, opts):
     """The store's coordinate arrays (MDIO: inline, crossline, time) at the token centres, linearly interpolated
     at voxel index k * patch + (patch - 1) / 2; voxel indices where the store has none."""
@@ -180,8 +216,7 @@ def main(argv):
     w = tuple(c // p for c, p in zip(crop, patch))  # window in tokens
     if w[0] % cp:
         raise configurator.ConfigError(f"the window's {w[0]} inline tokens do not split over --cp={cp}")
-    model.grid, model.L = w, math.prod(w)  # positions are sin-cos of grid coordinates: any window size works
-    model.mask_strata = cp  # (nothing is masked here; set_context_parallel only asks that strata split over cp)
+    prepare(model, crop, cp)
     model.to(device).eval()
     model.set_context_parallel(cp_group, "ring")
     # ---- the survey and the plan
@@ -230,14 +265,8 @@ def main(argv):
         s0 = org[0] + cp_rank * slab
         origin = (s0 * patch[0], org[1] * patch[1], org[2] * patch[2])
         x = vol.read(origin, (slab * patch[0],) + crop[1:])  # normalised, dead traces -> 0
-        x = torch.from_numpy(x)[None, None].to(device)
-        with torch.no_grad():
-            from model import patchify
-            p = patchify(x, patch)  # (1, L_loc, P)
-            L_loc = p.shape[1]
-            ids = torch.arange(L_loc, device=device)[None]
-            z = model.forward_encoder(p, ids, offset=cp_rank * L_loc, has_cls=False)[0]  # (L_loc, D)
-        z = z.float().cpu().numpy().reshape(slab, w[1], w[2], D)
+        L_loc = slab * w[1] * w[2]
+        z = encode(model, torch.from_numpy(x)[None, None].to(device), offset=cp_rank * L_loc)  # (slab, w1, w2, D)
         # the owned box, in this slab's token coordinates
         lo = [max(box[0][0], s0) - s0, box[1][0] - org[1], box[2][0] - org[2]]
         hi = [min(box[0][1], s0 + slab) - s0, box[1][1] - org[1], box[2][1] - org[2]]

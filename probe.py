@@ -1,0 +1,135 @@
+"""
+Did pretraining help? A frozen encoder's features scored on a labelled task: fault segmentation of synthetic
+volumes whose faults the generator knows (synthetic.py, labels=True).
+
+    python probe.py MODEL [--volumes=6 --test=2 --shape=(64,64,128) --n_faults=3 --steps=300 --seed=0]
+
+MODEL: a model file (export.py) or a run's out_dir. For each of `volumes` synthetic volumes (seeds seed+1000+i,
+`n_faults` faults of random strike, dip and throw, no dead traces), every token's features come from the frozen
+encoder (embed.features_of: windows of the model's crop at half-window strides, every token visible). A linear
+head per token, features -> the patch's voxels (P logits), is trained on the first volumes' tokens (binary
+cross-entropy, the positives weighted by the negatives / positives ratio: faults are a few % of the voxels) and
+scored on the last `test` volumes: IoU of the fault voxels, the threshold chosen on the training volumes. The
+same for an encoder of the same shape with random weights (the MAE's own init, seed `seed`), side by side. The
+last line is JSON with iou_pretrained and iou_random.
+
+The head is deliberately weak (linear, per token, frozen features): the score says what the features hold, not
+what a fine-tuned network could learn.
+"""
+import argparse
+import ast
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+import configurator
+import embed
+import export
+import synthetic
+from model import patchify
+
+
+def labelled_volumes(n, shape, n_faults, seed):
+    """[(normalised volume, fault mask)] for seeds seed + 1000 + i (none of them the quickstart's volume)."""
+    out = []
+    for i in range(n):
+        vol, mask, _ = synthetic.synthetic_volume(shape, seed=seed + 1000 + i, n_faults=n_faults, labels=True,
+                                                  dead_frac=0.0)
+        out.append(((vol - vol.mean()) / vol.std(), mask))
+    return out
+
+
+def tokens_and_targets(model, vols, crop):
+    """(features (N, D), targets (N, P)): every token of every volume, its fault voxels in patch order."""
+    stride = tuple(max(p, c // 2 // p * p) for c, p in zip(crop, model.patch))
+    xs, ys = [], []
+    for vol, mask in vols:
+        f = embed.features_of(model, vol, crop, stride)  # (I, X, T, D)
+        grid = f.shape[:3]
+        m = torch.from_numpy(mask[tuple(slice(0, g * p) for g, p in zip(grid, model.patch))].astype(np.float32))
+        ys.append(patchify(m[None, None], model.patch)[0])  # (L, P), tokens in (inline, crossline, time) order
+        xs.append(torch.from_numpy(f.reshape(-1, f.shape[-1])))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def iou(pred, true):
+    inter, union = (pred & true).sum().item(), (pred | true).sum().item()
+    return inter / union if union else 1.0
+
+
+def fit_and_score(xtr, ytr, xte, yte, steps, seed):
+    """Train the linear head on (xtr, ytr), pick the threshold that maximises IoU there, return (test IoU,
+    train IoU, threshold)."""
+    torch.manual_seed(seed)
+    mu, sd = xtr.mean(0), xtr.std(0) + 1e-6  # standardise the features (the head's scale-free)
+    xtr, xte = (xtr - mu) / sd, (xte - mu) / sd
+    head = torch.nn.Linear(xtr.shape[1], ytr.shape[1])
+    pos = ytr.mean().clamp(min=1e-6)
+    loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=(1 - pos) / pos)
+    opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_fn(head(xtr), ytr).backward()
+        opt.step()
+    with torch.no_grad():
+        ptr, pte = torch.sigmoid(head(xtr)), torch.sigmoid(head(xte))
+    best = max((iou(ptr > t, ytr > 0.5), t) for t in np.linspace(0.05, 0.95, 19))
+    return iou(pte > best[1], yte > 0.5), best[0], float(best[1])
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(prog="probe.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="a model file (export.py) or a run's out_dir")
+    ap.add_argument("--volumes", type=int, default=6)
+    ap.add_argument("--test", type=int, default=2, help="of the volumes, the last ones scored (the rest train)")
+    ap.add_argument("--shape", default="(64,64,128)", help="voxels per synthetic volume")
+    ap.add_argument("--n_faults", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=300, help="full-batch Adam steps of the head")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    shape = tuple(ast.literal_eval(a.shape))
+    if not 1 <= a.test < a.volumes:
+        raise configurator.ConfigError(f"--test={a.test} must leave training volumes out of --volumes={a.volumes}")
+    path = a.model
+    if os.path.isdir(path):
+        path = export.export(a.model)  # its newest checkpoint as one model file, beside it
+    trained, meta = export.load(path)
+    cfg = meta["config"]
+    crop = tuple(cfg["crop"])
+    if any(s < c for s, c in zip(shape, crop)):
+        raise configurator.ConfigError(f"--shape {shape} is smaller than the model's crop {crop}")
+    torch.manual_seed(a.seed)
+    random = export.build_model(cfg).eval()  # the same shape, the MAE's init
+    vols = labelled_volumes(a.volumes, shape, a.n_faults, a.seed)
+    train, test = vols[:-a.test], vols[-a.test:]
+    rows, out = [], {"bench": "probe", "model": str(path), "step": meta.get("step"), "volumes": a.volumes,
+                     "test": a.test, "shape": list(shape), "n_faults": a.n_faults}
+    for name, model in (("pretrained", trained), ("random", random)):
+        xtr, ytr = tokens_and_targets(model, train, crop)
+        xte, yte = tokens_and_targets(model, test, crop)
+        te, tr, thr = fit_and_score(xtr, ytr, xte, yte, a.steps, a.seed)
+        out[f"iou_{name}"], out[f"iou_train_{name}"] = round(te, 4), round(tr, 4)
+        rows.append([name, f"{tr:.3f}", f"{te:.3f}", f"{thr:.2f}"])
+    out["fault_voxel_fraction"] = round(float(np.mean([m.mean() for _, m in test])), 4)
+    print(f"fault segmentation by a linear head on frozen features: {a.volumes - a.test} training, {a.test} test "
+          f"volumes of {shape}, {a.n_faults} faults each ({100 * out['fault_voxel_fraction']:.1f} % of the voxels)")
+    w = [max(len(str(r[i])) for r in rows + [["encoder", "IoU train", "IoU test", "threshold"]]) for i in range(4)]
+    for r in [["encoder", "IoU train", "IoU test", "threshold"]] + rows:
+        print("  ".join(str(c).rjust(n) for c, n in zip(r, w)))
+    print(json.dumps(out))
+    return 0
+
+
+def cli(argv):
+    try:
+        return main(argv)
+    except (configurator.ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))
