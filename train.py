@@ -218,11 +218,8 @@ class Job:
     """Everything a training step needs, built once by setup() (bench.py builds the same)."""
 
 
-def setup(cfg):
-    """Distributed init, data, model, optimizer, DeepSpeed engine. Returns a Job."""
-    job = Job()
-    job.cfg = cfg
-    # ---- distributed setup. torchrun sets RANK/WORLD_SIZE; a bare `python train.py` is a world of 1.
+def dist_env():
+    """The environment torch.distributed reads: torchrun's, or a world of 1 on a free local port (a bare python)."""
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(k, v)
     if "MASTER_PORT" not in os.environ:
@@ -230,6 +227,14 @@ def setup(cfg):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def setup(cfg):
+    """Distributed init, data, model, optimizer, DeepSpeed engine. Returns a Job."""
+    job = Job()
+    job.cfg = cfg
+    # ---- distributed setup. torchrun sets RANK/WORLD_SIZE; a bare `python train.py` is a world of 1.
+    dist_env()
     job.on_gpu = on_gpu = torch.cuda.is_available()
     if not on_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede `import deepspeed`
