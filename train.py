@@ -155,17 +155,15 @@ def validate(cfg):
     need(strata % cp == 0 and L % strata == 0,
          f"mask_strata {strata} must be a multiple of cp={cp} and divide the {L} tokens")
     need(cfg["mask_strata"] >= 0, "mask_strata must be >= 0 (0 = cp)")
+    with torch.device("meta"):  # (shapes only: the head dims and block count below)
+        m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"])
     if cp > 1:  # the ring runs on the fused attention kernels: check their head dims now
-        with torch.device("meta"):
-            m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"])
         for blk in (m.blocks[0], m.decoder_blocks[0]):
             d = blk.qkv.in_features // blk.heads
             try:
                 ring_attention.check_head_dim(d)
             except ValueError as e:
                 raise configurator.ConfigError(f"model_size {cfg['model_size']!r} with cp={cp}: {e}") from None
-    with torch.device("meta"):  # (shapes only)
-        m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"])
     n_blocks = len(m.blocks) + len(m.decoder_blocks)
     need(-1 <= cfg["ckpt_blocks"] <= n_blocks, f"ckpt_blocks={cfg['ckpt_blocks']}: -1 (every block) or a number "
                                                f"of blocks up to the {n_blocks} of model_size {cfg['model_size']!r}")
