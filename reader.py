@@ -206,6 +206,19 @@ def with_retries(fn, opts, what, permanent=(PermissionError, FileNotFoundError, 
             time.sleep(random.uniform(0, opts.backoff_s * 2 ** attempt))
 
 
+async def awith_retries(fn, opts, what, permanent=(PermissionError, FileNotFoundError, DataError)):
+    """with_retries for a coroutine function, on the event loop (the backoff is an asyncio.sleep)."""
+    for attempt in range(opts.retries + 1):
+        try:
+            return await fn()
+        except permanent:
+            raise
+        except Exception as e:
+            if attempt == opts.retries:
+                raise DataError(f"{what} failed {attempt + 1} times; last error: {type(e).__name__}: {e}") from e
+        await asyncio.sleep(random.uniform(0, opts.backoff_s * 2 ** attempt))
+
+
 def _stats_from(mean, std, what):
     if not (np.isfinite(mean) and np.isfinite(std) and std > 0):
         raise DataError(f"{what}: mean {mean} / std {std} are not usable for normalisation")
@@ -314,17 +327,10 @@ class Volume:
         """arr[sel] for a selection inside the single chunk `coords`, retried as a whole (the store retries its
         requests; this also retries a decode that failed); then a DataError naming the chunk key."""
         what = f"chunk {self.chunk_key(coords)!r} of {self.url!r}"
-        for attempt in range(self.opts.retries + 1):
-            try:
-                return await self.arr.async_array.getitem(sel)
-            except DataError:
-                raise  # a request that kept failing: RequestStore named it
-            except (PermissionError, FileNotFoundError) as e:  # not transient: retrying cannot help
-                raise DataError(f"reading {what}: {e}") from e
-            except Exception as e:
-                if attempt == self.opts.retries:
-                    raise DataError(f"{what} failed {attempt + 1} times; last error: {type(e).__name__}: {e}") from e
-            await asyncio.sleep(random.uniform(0, self.opts.backoff_s * 2 ** attempt))
+        try:  # (a request that kept failing is a DataError already: RequestStore named it)
+            return await awith_retries(lambda: self.arr.async_array.getitem(sel), self.opts, what)
+        except (PermissionError, FileNotFoundError) as e:  # not transient: retrying cannot help
+            raise DataError(f"reading {what}: {e}") from e
 
     def _read_chunk_region(self, coords, sel):
         return zarr_sync(self._achunk(coords, sel))
@@ -387,19 +393,19 @@ class Volume:
         dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin))  # in the crop
         src = tuple(slice(a - i * c, b - i * c) for a, b, i, c in zip(lo, hi, coords, self.chunks))  # in the chunk
         key = self.chunk_key(coords)
-        for attempt in range(self.opts.retries + 1):
+
+        async def attempt():  # a failed GET is already retried (RequestStore): what is retried here is the decode
             raw = await self.arr.store_path.store.get(key, prototype=_BUFFERS)
             if raw is None:  # never written: the fill value, by Zarr's rules (none given: zero, as zarr reads it)
                 fill = self.arr.fill_value if self.arr.fill_value is not None else 0
                 return await loop.run_in_executor(self.opts.pool, out[dst].fill, fill)
-            try:
-                return await loop.run_in_executor(self.opts.pool, _place, self.decode, raw, out, dst, src)
-            except Exception as e:
-                if attempt == self.opts.retries:
-                    raise DataError(f"chunk {key!r} of {self.url!r} does not decode ({type(e).__name__}: {e}), read "
-                                    f"{attempt + 1} times: the stored chunk is damaged; write it again from the "
-                                    f"source (SEG-Y) or drop the store from the library") from e
-            await asyncio.sleep(random.uniform(0, self.opts.backoff_s * 2 ** attempt))
+            return await loop.run_in_executor(self.opts.pool, _place, self.decode, raw, out, dst, src)
+        what = (f"chunk {key!r} of {self.url!r} (fetched and decoded; if it arrives but never decodes, the stored "
+                f"chunk is damaged: write it again from the source, or drop the store from the library)")
+        try:
+            return await awith_retries(attempt, self.opts, what)
+        except (PermissionError, FileNotFoundError) as e:  # access denied mid-run: named, not a raw traceback
+            raise DataError(f"reading chunk {key!r} of {self.url!r}: {e}") from e
 
     def _normalize(self, out, normalize=True):
         """float32; with normalize, (x - mean) / std in place, dead traces (NaN) -> 0 (an inf is bad data and is left
