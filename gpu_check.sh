@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU session in one call: bench.py gpu-check (the ring's CUDA ops against fp64 SDPA, attention timings at
+# The GPU session in one call: bench_gpu.py (the ring's CUDA ops against fp64 SDPA, attention timings at
 # 102,400 tokens, the planner's memory terms against torch.cuda's allocator, bf16 zero2 vs fsdp2 on the same
 # masks, the batch's pinned non-blocking copy against the old pageable cast-and-copy, the quickstart's steps;
 # the held-out validation over NCCL: its figures need matplotlib, carried in the wheels too; a stop signal on
@@ -45,4 +45,4 @@ dist.init_process_group('nccl', rank=0, world_size=1)
 t = torch.ones(1, device='cuda'); dist.all_reduce(t); torch.cuda.synchronize()
 print('nccl ok:', torch.__version__, torch.cuda.get_device_name(0)); dist.destroy_process_group()"
 OUT=${OUT:-.}
-timeout "${LIMIT:-480}" "$PY" bench.py gpu-check 2>&1 | tee "$OUT/gpu_check.log"
+timeout "${LIMIT:-480}" "$PY" bench_gpu.py 2>&1 | tee "$OUT/gpu_check.log"

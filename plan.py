@@ -172,7 +172,7 @@ def meta_model(cfg):
 # FlashAttention-3 paper measured it beside its own kernel (Shah et al. 2024, arXiv:2407.08608, Fig. 5): 324 at
 # head dim 64, 370 at 128, 298 at 256. Head dims in between run on the next tile size up (104 on 128's kernel:
 # 104/128 of its FLOPs are ours); 32 is not in the paper: taken as half of 64's rate (the same passes over K and
-# V for half the FLOPs), an assumption until `bench.py gpu-check` measures it (it times 32, 64, 104 and 128 at
+# V for half the FLOPs), an assumption until `bench_gpu.py` measures it (it times 32, 64, 104 and 128 at
 # 102,400 tokens: put its numbers here).
 ATTN_TFLOPS = {64: 324, 128: 370, 256: 298}
 ATTN_TILES = (32, 64, 96, 128, 160, 192, 224, 256)

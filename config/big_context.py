@@ -33,7 +33,7 @@ patch = (16, 16, 16)
 model_size = "G"  # shapes (python plan.py config/big_context.py): heads of 104 (encoder) and 32 (decoder) run
 #                   the fused attention at ~301 and ~162 TFLOP/s by the planner's documented rates, 816 GPU-s of
 #                   attention per sample; "G_h128" (same widths and parameters, 13 and 4 heads of 128) ~479. Kept
-#                   until bench.py gpu-check measures the kernels (a new function: no resume across the change)
+#                   until bench_gpu.py measures the kernels (a new function: no resume across the change)
 mask_ratio = 0.75
 norm_pix_loss = True
 grad_ckpt = True

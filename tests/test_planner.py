@@ -89,7 +89,7 @@ def test_shapes_flag_head_dims_and_the_aligned_sizes_clear_them():
     timing by head dim runs on CPU."""
     import torch
 
-    import bench
+    import bench_gpu
     import configurator
     import plan
     assert plan.attention_tflops(128) == 370 and plan.attention_tflops(64) == 324
@@ -106,5 +106,5 @@ def test_shapes_flag_head_dims_and_the_aligned_sizes_clear_them():
     large, aligned = (plan.plan({**cfg, "model_size": m, "cp": 1, "crop": (640, 640, 1024)}, 128)
                       for m in ("large", "large_h64"))
     assert large["head_dims"] == {"enc": 64, "dec": 32} and aligned["head_dims"] == {"enc": 64, "dec": 64}
-    rates = bench.attention_rates(torch.device("cpu"), N=256, dtype=torch.float32, reps=1)
+    rates = bench_gpu.attention_rates(torch.device("cpu"), N=256, dtype=torch.float32, reps=1)
     assert sorted(rates) == [32, 64, 104, 128] and all(f > 0 and fb > 0 for f, fb in rates.values())
