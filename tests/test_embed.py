@@ -82,17 +82,23 @@ def test_every_window_owns_its_centre():
 
 def test_probe_scores_a_pretrained_and_a_random_encoder_side_by_side(strategy_runs):
     """probe.py end to end on a small setting: labelled synthetic volumes, frozen features, a linear head, IoU on
-    held-out volumes for the trained encoder and a random one of its shape (the scores are reported, not
-    thresholded: which encoder is better is a measurement, README)."""
+    held-out volumes for the trained encoder and a random one of its shape, over two draws compared paired (the
+    scores are reported, not thresholded: which encoder is better is a measurement, README)."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "probe.py"), str(strategy_runs["zero2"][0]), "--volumes=3",
-                        "--test=1", "--shape=(32,32,64)", "--steps=30"], cwd=ROOT, env=job_env(), capture_output=True,
-                       text=True, timeout=600)
+                        "--test=1", "--shape=(32,32,64)", "--steps=30", "--repeats=2"], cwd=ROOT, env=job_env(),
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    for k in ("iou_pretrained", "iou_random"):
-        assert 0.0 <= out[k] <= 1.0
-    assert out["iou_pretrained"] != out["iou_random"]  # two different encoders were scored
+    p, q = out["iou_pretrained_each"], out["iou_random_each"]
+    assert out["repeats"] == len(p) == len(q) == 2
+    assert all(0.0 <= v <= 1.0 for v in p + q)
+    assert p != q  # two different encoders were scored
+    assert q[0] != q[1]  # each draw met its own volumes and its own random encoder
+    d = [a - b for a, b in zip(p, q)]
+    assert abs(out["iou_diff"] - sum(d) / 2) < 2e-4 and abs(out["iou_pretrained"] - sum(p) / 2) < 2e-4
+    assert abs(out["iou_diff_se"] - abs(d[0] - d[1]) / 2) < 2e-4  # the std of two values / sqrt 2
     assert 0.0 < out["fault_voxel_fraction"] < 0.5
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "probe.py"), str(strategy_runs["zero2"][0]), "--test=6"],
-                       cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--test=6" in r.stderr
+    for bad, what in (("--test=6", "--test=6"), ("--repeats=0", "--repeats=0")):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "probe.py"), str(strategy_runs["zero2"][0]), bad],
+                           cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and what in r.stderr, r.stderr[-2000:]
