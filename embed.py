@@ -24,8 +24,10 @@ than a patch) has no token.
 
 Ranks: world = dp x cp. dp groups take different rows of windows along inline (row i goes to group i mod dp);
 with cp > 1 a window is split over the cp ranks of a group along inline and encoded with ring attention, as in
-training; each rank writes its own inline planes. Rank 0 writes OUT.png (local OUT): the central inline,
-crossline and time slices of the features, mapped to RGB by their first three principal components.
+training; each rank writes its own inline planes. Small windows go through the encoder `--batch` at a time (by
+default as many as hold BATCH_TOKENS tokens per rank), their crops read side by side. Rank 0 draws the central
+inline, crossline and time slices of the features, mapped to RGB by their first three principal components, to
+OUT.png (a local OUT) or NAME.png in the current folder (an s3:// OUT), or --picture.
 """
 import argparse
 import itertools
@@ -42,6 +44,9 @@ import checkpoint
 import configurator
 import export
 import reader
+
+
+BATCH_TOKENS = 16384  # tokens per rank per forward when --batch is not given: small windows batched, big ones alone
 
 
 def window_origins(T, w, stride):
@@ -75,14 +80,15 @@ def plan_windows(grid, w, stride):
 
 
 def encode(model, x, offset=0):
-    """x (1, 1, Z, Y, X) normalised voxels (this rank's slab of a window under cp) -> (Z/pz, Y/py, X/px, D) fp32
-    features: every token visible, no cls token; offset: the slab's first token in the window (cp rank x tokens)."""
+    """x (B, 1, Z, Y, X) normalised voxels (B windows, or under cp this rank's slab of each) -> (B, Z/pz, Y/py,
+    X/px, D) fp32 features: every token visible, no cls token; offset: the slab's first token in its window (cp
+    rank x tokens)."""
     from model import patchify
     with torch.no_grad():
-        p = patchify(x, model.patch)  # (1, L_loc, P)
-        ids = torch.arange(p.shape[1], device=x.device)[None]
-        z = model.forward_encoder(p, ids, offset=offset, has_cls=False)[0]  # (L_loc, D)
-    return z.float().cpu().numpy().reshape(*(n // q for n, q in zip(x.shape[2:], model.patch)), -1)
+        p = patchify(x, model.patch)  # (B, L_loc, P)
+        ids = torch.arange(p.shape[1], device=x.device)[None].expand(p.shape[0], -1)
+        z = model.forward_encoder(p, ids, offset=offset, has_cls=False)  # (B, L_loc, D)
+    return z.float().cpu().numpy().reshape(x.shape[0], *(n // q for n, q in zip(x.shape[2:], model.patch)), -1)
 
 
 def prepare(model, crop, cp=1):
@@ -103,7 +109,7 @@ def features_of(model, vol, crop, stride):
     for _, org, box in plan_windows(grid, w, tuple(s // p for s, p in zip(stride, patch))):
         v0 = tuple(o * p for o, p in zip(org, patch))
         x = torch.from_numpy(np.ascontiguousarray(vol[tuple(slice(a, a + c) for a, c in zip(v0, crop))]))[None, None]
-        z = encode(model, x.float())
+        z = encode(model, x.float())[0]
         if out is None:
             out = np.zeros(grid + (z.shape[-1],), dtype=np.float32)
         out[tuple(slice(lo, hi) for lo, hi in box)] = z[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(box, org))]
@@ -162,7 +168,11 @@ def parse(argv):
     ap.add_argument("--crop", default=None, help="window in voxels, e.g. (64,64,128) (default: the model's crop)")
     ap.add_argument("--stride", default=None, help="window stride in voxels (default: half the window)")
     ap.add_argument("--cp", type=int, default=1, help="ranks per window (ring attention), as in training")
+    ap.add_argument("--batch", type=int, default=0,
+                    help=f"windows per forward pass (default: as many as hold {BATCH_TOKENS:,} tokens per rank, at least 1)")
     ap.add_argument("--dtype", default="float16", choices=("float16", "float32"), help="of the stored features")
+    ap.add_argument("--picture", default="", help="the principal-component picture (default: OUT.png beside a "
+                    "local OUT; NAME.png in the current folder for an s3:// OUT)")
     ap.add_argument("--s3_anon", action="store_true")
     ap.add_argument("--s3_endpoint", default="")
     ap.add_argument("--stop_after", type=int, default=0, help=argparse.SUPPRESS)  # tests: stop after N windows
@@ -250,43 +260,54 @@ def main(argv):
     def marker(idx):
         return "embed_done/" + ".".join(map(str, idx))
 
-    mine = [x for x in wins if x[0][0] % dp == dp_rank]
-    t0, n_tok, done_here = time.time(), 0, 0
-    slab = w[0] // cp
-    for idx, org, box in mine:
-        if sync(store.exists(marker(idx))):
-            continue  # written by an earlier run
-        # this rank's slab of the window: inline tokens [org0 + cp_rank * slab, + slab)
-        s0 = org[0] + cp_rank * slab
-        origin = (s0 * patch[0], org[1] * patch[1], org[2] * patch[2])
-        x = vol.read(origin, (slab * patch[0],) + crop[1:])  # normalised, dead traces -> 0
-        L_loc = slab * w[1] * w[2]
-        z = encode(model, torch.from_numpy(x)[None, None].to(device), offset=cp_rank * L_loc)  # (slab, w1, w2, D)
-        # the owned box, in this slab's token coordinates
-        lo = [max(box[0][0], s0) - s0, box[1][0] - org[1], box[2][0] - org[2]]
-        hi = [min(box[0][1], s0 + slab) - s0, box[1][1] - org[1], box[2][1] - org[2]]
-        if hi[0] > lo[0]:
-            feats[s0 + lo[0]:s0 + hi[0], box[1][0]:box[1][1], box[2][0]:box[2][1]] = \
-                z[lo[0]:hi[0], lo[1]:hi[1], lo[2]:hi[2]].astype(a.dtype)
-        n_tok += L_loc
+    # the windows of this rank's dp group that no earlier run finished: one listing of the markers (one LIST on S3,
+    # not a request per window). The ranks of a cp group list before any of them can write a marker (a marker
+    # follows a ring step that needs them all), so they agree on the list.
+    async def listed():
+        return {k async for k in store.list_prefix("embed_done/")}
+    done = sync(listed())
+    todo = [x for x in wins if x[0][0] % dp == dp_rank and marker(x[0]) not in done]
+    if a.stop_after:
+        todo = todo[:a.stop_after]
+    slab = w[0] // cp  # this rank's inline tokens of each window
+    L_loc = slab * w[1] * w[2]
+    batch = a.batch or max(1, BATCH_TOKENS // L_loc)
+    t0, n_tok = time.time(), 0
+    for k in range(0, len(todo), batch):
+        part = todo[k:k + batch]
+        # this rank's slab of each window: inline tokens [org0 + cp_rank * slab, + slab), read side by side
+        s0 = [org[0] + cp_rank * slab for _, org, _ in part]
+        xs = reader.read_crops([(vol, (s * patch[0], org[1] * patch[1], org[2] * patch[2]),
+                                 (slab * patch[0],) + crop[1:]) for s, (_, org, _) in zip(s0, part)])
+        x = torch.from_numpy(np.stack(xs))[:, None].to(device)  # (B, 1, slab * pz, Y, X), dead traces -> 0
+        z = encode(model, x, offset=cp_rank * L_loc)  # (B, slab, w1, w2, D)
+        for zb, s, (_, org, box) in zip(z, s0, part):
+            # the owned box, in this slab's token coordinates
+            lo = [max(box[0][0], s) - s, box[1][0] - org[1], box[2][0] - org[2]]
+            hi = [min(box[0][1], s + slab) - s, box[1][1] - org[1], box[2][1] - org[2]]
+            if hi[0] > lo[0]:
+                feats[s + lo[0]:s + hi[0], box[1][0]:box[1][1], box[2][0]:box[2][1]] = \
+                    zb[lo[0]:hi[0], lo[1]:hi[1], lo[2]:hi[2]].astype(a.dtype)
+        n_tok += len(part) * L_loc
         if cp > 1:
-            dist.barrier(group=cp_group)  # every slab of the window written before it is marked
+            dist.barrier(group=cp_group)  # every slab of these windows written before they are marked
         if cp_rank == 0:
-            sync(store.set(marker(idx), proto.buffer.from_bytes(b"1")))
-        done_here += 1
-        if a.stop_after and done_here >= a.stop_after:
-            print(f"rank {rank}: stopped after {done_here} windows (--stop_after)", flush=True)
-            dist.destroy_process_group()
-            return 75
+            for idx, _, _ in part:
+                sync(store.set(marker(idx), proto.buffer.from_bytes(b"1")))
+    if a.stop_after:
+        print(f"rank {rank}: stopped after {len(todo)} windows (--stop_after)", flush=True)
+        dist.destroy_process_group()
+        return 75
     dt = time.time() - t0
     rate = torch.tensor([n_tok / max(dt, 1e-9)], dtype=torch.float64)
     dist.all_reduce(rate)
     dist.barrier()
     if rank == 0:
-        print(json.dumps({"windows": len(wins), "grid": list(grid), "features": D, "out": a.out,
-                          "tokens_per_s": round(rate.item(), 1)}))
-        if "://" not in a.out:
-            pca_picture(feats, a.out.rstrip("/") + ".png", f"{a.store}: encoder features, first 3 principal components")
+        pic = a.picture or (a.out.rstrip("/") + ".png" if "://" not in a.out
+                            else os.path.basename(a.out.rstrip("/")) + ".png")  # s3:// out: the picture stays here
+        pca_picture(feats, pic, f"{a.store}: encoder features, first 3 principal components")
+        print(json.dumps({"windows": len(wins), "grid": list(grid), "features": D, "out": a.out, "picture": pic,
+                          "batch": batch, "tokens_per_s": round(rate.item(), 1)}))
     dist.destroy_process_group()
     return 0
 

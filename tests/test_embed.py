@@ -1,5 +1,5 @@
 """embed.py: encoder features of a whole survey. The same features on 1 rank, on 2 dp ranks and on a cp 2 group
-(ring attention), and after a stop and restart (fp32 features, to 1e-4); the windows' owned boxes tile the token
+(ring attention), one window per forward or several, and after a stop and restart (fp32 features, to 1e-4); the windows' owned boxes tile the token
 grid exactly once; the store opens with plain zarr, with named dimensions and the survey's coordinates at the
 token centres. The model: the zero2 run of conftest.strategy_runs, given as its out_dir (embed.py exports its
 newest checkpoint once)."""
@@ -38,11 +38,11 @@ def test_features_are_the_same_on_any_layout_and_after_a_restart(small_store, st
     model = str(strategy_runs["zero2"][0])
     out = {name: str(tmp_path / f"{name}.zarr") for name in ("one", "dp2", "cp2", "restart")}
     base = [model, small_store, "--dtype=float32"]
-    assert run_embed(base + [f"--out={out['one']}"]).returncode == 0
-    for name, extra, nproc in (("dp2", [], 2), ("cp2", ["--cp=2"], 2)):
+    assert run_embed(base + [f"--out={out['one']}", "--batch=1"]).returncode == 0  # one window per forward
+    for name, extra, nproc in (("dp2", [], 2), ("cp2", ["--cp=2", "--batch=3"], 2)):  # dp2: all its windows at once
         r = run_embed(base + [f"--out={out[name]}"] + extra, nproc=nproc)
         assert r.returncode == 0, r.stderr[-3000:]
-    r = run_embed(base + [f"--out={out['restart']}", "--stop_after=7"])
+    r = run_embed(base + [f"--out={out['restart']}", "--stop_after=7", "--batch=5"])
     assert r.returncode == 75 and len(os.listdir(os.path.join(out["restart"], "embed_done"))) == 7, r.stderr[-2000:]
     r = run_embed(base + [f"--out={out['restart']}"])
     assert r.returncode == 0, r.stderr[-3000:]

@@ -203,3 +203,28 @@ def test_anonymous_access_public_vs_private(s3, small_store):
     assert np.array_equal(pub.read((0, 0, 0), (8, 8, 8)), reader.Volume(small_store).read((0, 0, 0), (8, 8, 8)))
     with pytest.raises(data.DataError, match="access denied"):
         reader.Volume(s3.url, anon)
+
+
+def test_embed_reads_a_survey_from_s3_and_writes_its_features_there(s3, small_store, strategy_runs, tmp_path):
+    """embed.py with s3:// in and out (2 dp ranks, stopped after 3 windows each and restarted: the markers are S3
+    objects, listed once) gives the features of a local run, and the store opens with plain zarr over S3."""
+    import zarr
+    from test_embed import run_embed
+    model = str(strategy_runs["zero2"][0])
+    local = str(tmp_path / "local.zarr")
+    assert run_embed([model, small_store, f"--out={local}", "--dtype=float32"]).returncode == 0
+    remote = "s3://bkt/features.zarr"
+    args = [model, s3.url, f"--out={remote}", "--dtype=float32", f"--s3_endpoint={s3.endpoint}",
+            f"--picture={tmp_path / 'pca.png'}"]
+    r = run_embed(args + ["--stop_after=3"], nproc=2)
+    assert r.returncode != 0 and r.stdout.count("stopped after 3 windows") == 2, r.stderr[-3000:]  # (torchrun: 75 -> 1)
+    keys = [o["Key"] for o in s3.client().list_objects_v2(Bucket="bkt", Prefix="features.zarr/embed_done/")["Contents"]]
+    assert len(keys) == 6, keys  # 3 windows on each of the two ranks
+    r = run_embed(args, nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    g = zarr.open_group(remote, mode="r", storage_options={"client_kwargs": {"endpoint_url": s3.endpoint}})
+    ref = zarr.open_group(local, mode="r")
+    assert g["features"].metadata.dimension_names == ("inline", "crossline", "time", "feature")
+    assert np.abs(np.asarray(g["features"][:]) - np.asarray(ref["features"][:])).max() <= 1e-4
+    assert np.array_equal(g["inline"][:], ref["inline"][:]) and np.array_equal(g["time"][:], ref["time"][:])
+    assert (tmp_path / "pca.png").stat().st_size > 10_000
