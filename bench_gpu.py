@@ -11,6 +11,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 from bench import GPU_MEMORY_CASES, bench_step, dtype_runs, memory_check, memory_table, rel_deviation
@@ -130,6 +131,11 @@ def gpu_check(argv):
         out["stop_signal"] = f"FAILED: {type(e).__name__}: {e}"
         print(f"stop-signal check FAILED: {e}")
     try:
+        out["embed"] = gpu_embed_check()
+    except Exception as e:
+        out["embed"] = f"FAILED: {type(e).__name__}: {e}"
+        print(f"embed check FAILED: {e}")
+    try:
         out["elastic_resume"] = gpu_elastic_check()
     except Exception as e:
         out["elastic_resume"] = f"FAILED: {type(e).__name__}: {e}"
@@ -207,6 +213,32 @@ def gpu_stop_check(steps=40):
           f"{diff:.2e} -> {'ok' if res['ok'] else 'FAIL'}")
     if not res["ok"]:
         print(err[-2000:], again.stderr[-2000:])
+    return res
+
+
+def gpu_embed_check(steps=10):
+    """embed.py on the GPU (NCCL, windows batched per forward) against embed.py on the CPU (CUDA hidden): a 10-step fp32
+    quickstart run's encoder over the whole quickstart volume. Reported: the largest feature difference relative to
+    the features' largest magnitude (cuDNN may run the patch embedding's conv in TF32: ~1e-3), both rates."""
+    import subprocess
+    import tempfile
+    import zarr
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run([sys.executable, "train.py", "config/quickstart.py", f"--data_paths=['{d}/qs.mdio']",
+                            "--make_synthetic=True", f"--max_steps={steps}", "--dtype=float32", f"--out_dir={d}/run",
+                            "--eval_interval=1000", "--figures=False"], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        rates, feats = {}, {}
+        for where, env in (("gpu", os.environ), ("cpu", dict(os.environ, CUDA_VISIBLE_DEVICES=""))):
+            e = subprocess.run([sys.executable, "embed.py", f"{d}/run", f"{d}/qs.mdio", f"--out={d}/{where}.zarr",
+                                "--dtype=float32"], env=env, capture_output=True, text=True, timeout=600)
+            assert e.returncode == 0, e.stderr[-2000:]
+            rates[where] = json.loads(e.stdout.strip().splitlines()[-1])["tokens_per_s"]
+            feats[where] = np.asarray(zarr.open_group(f"{d}/{where}.zarr", mode="r")["features"][:])
+    err = float(np.abs(feats["gpu"] - feats["cpu"]).max() / max(np.abs(feats["cpu"]).max(), 1e-12))
+    res = {"rel_err": err, "gpu_tokens_per_s": rates["gpu"], "cpu_tokens_per_s": rates["cpu"], "ok": err <= 1e-2}
+    print(f"\nembed.py on the GPU vs the CPU: features differ by {err:.2e} of their largest magnitude "
+          f"({'ok' if res['ok'] else 'FAIL'}); {rates['gpu']:,.0f} vs {rates['cpu']:,.0f} tokens/s")
     return res
 
 

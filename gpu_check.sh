@@ -5,7 +5,8 @@
 # the held-out validation over NCCL: its figures need matplotlib, carried in the wheels too; a stop signal on
 # the GPU (the stop flag read a step late) and the relaunch against the uninterrupted run; a 2-CPU-rank bf16
 # checkpoint resumed on the GPU through the universal checkpoint; the fused attention's TFLOP/s by head dim 32 /
-# 64 / 104 / 128 at 102,400 tokens beside plan.py's documented rates; the quickstart eager vs compile=True).
+# 64 / 104 / 128 at 102,400 tokens beside plan.py's documented rates; the quickstart eager vs compile=True;
+# embed.py on the GPU against embed.py on the CPU).
 #
 # The lent H200 machine has Python 3.12 and PyTorch but none of deepspeed, zarr, numcodecs, pydantic..., and
 # no internet. So the missing wheels are fetched (and deepspeed's built) here, then carried there:
