@@ -37,6 +37,7 @@ import embed
 import export
 import synthetic
 from model import patchify
+from plan import table
 
 
 def labelled_volumes(n, shape, n_faults, seed):
@@ -126,11 +127,11 @@ def main(argv):
     # paired: both encoders met the same volumes in each draw, so the draw-to-draw spread cancels in the difference
     te = {k: np.array([v[0] for v in vs]) for k, vs in scores.items()}
     diff = te["pretrained"] - te["random"]
-    se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("nan")
+    se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else None  # one draw: no spread to measure
     out = {"bench": "probe", "model": str(path), "step": meta.get("step"), "volumes": a.volumes, "test": a.test,
            "repeats": a.repeats, "shape": list(shape), "n_faults": a.n_faults,
            "iou_pretrained": round(float(te["pretrained"].mean()), 4), "iou_random": round(float(te["random"].mean()), 4),
-           "iou_diff": round(float(diff.mean()), 4), "iou_diff_se": round(se, 4) if se == se else None,
+           "iou_diff": round(float(diff.mean()), 4), "iou_diff_se": None if se is None else round(se, 4),
            "iou_pretrained_each": [round(float(v), 4) for v in te["pretrained"]],
            "iou_random_each": [round(float(v), 4) for v in te["random"]],
            "iou_train_pretrained": round(float(np.mean([v[1] for v in scores["pretrained"]])), 4),
@@ -139,15 +140,12 @@ def main(argv):
     print(f"fault segmentation by a linear head on frozen features, {a.repeats} draw(s) of {a.volumes - a.test} training "
           f"and {a.test} test volumes of {shape}, {a.n_faults} faults each ({100 * out['fault_voxel_fraction']:.1f} % of "
           f"the voxels: the IoU of a head that calls every voxel a fault)")
-    head = ["draw", "IoU pretrained", "IoU random", "difference", "train IoU (p / r)"]
-    rows = [[str(r), f"{scores['pretrained'][r][0]:.3f}", f"{scores['random'][r][0]:.3f}", f"{diff[r]:+.3f}",
+    rows = [[r, f"{scores['pretrained'][r][0]:.3f}", f"{scores['random'][r][0]:.3f}", f"{diff[r]:+.3f}",
              f"{scores['pretrained'][r][1]:.3f} / {scores['random'][r][1]:.3f}"] for r in range(a.repeats)]
     rows.append(["mean", f"{out['iou_pretrained']:.3f}", f"{out['iou_random']:.3f}",
-                 f"{diff.mean():+.3f}" + (f" ± {se:.3f}" if se == se else ""),
+                 f"{diff.mean():+.3f}" + ("" if se is None else f" ± {se:.3f}"),
                  f"{out['iou_train_pretrained']:.3f} / {out['iou_train_random']:.3f}"])
-    w = [max(len(row[i]) for row in rows + [head]) for i in range(len(head))]
-    for row in [head] + rows:
-        print("  ".join(c.rjust(n) for c, n in zip(row, w)))
+    table(rows, ["draw", "IoU pretrained", "IoU random", "difference", "train IoU (p / r)"])
     print(json.dumps(out))
     return 0
 
