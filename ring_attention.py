@@ -9,8 +9,9 @@ no rank ever held more than two K/V blocks, and no N x N (or even N_local x N_lo
 built in Python: each block goes through the fused attention op that returns the log-sum-exp.
 
     ring_attention(q, k, v, group=None, scale=None) -> out (B, H, N_local, Dh), differentiable
-    torch_cp_attention(q, k, v, group)              -> the same through PyTorch's context_parallel (forward)
+    torch_cp_attention(q, k, v, group)              -> the same through PyTorch's own ring functions
     simulate_ring(q, k, v, P)                       -> the same block math over P blocks in one process
+    SelfRing(W)                                     -> a "group" of W ranks that are all this one (GPU check)
 
 The maths, for one query row q (dropping the row index):
   scores    s_j = scale * q . k_j,   softmax weights  p_j = exp(s_j - lse),   lse = log sum_j exp(s_j)
@@ -122,8 +123,57 @@ def merge(out, lse, out_b, lse_b):
 # the ring: point-to-point exchange with the neighbours
 
 
+class SelfRing:
+    """A ring of `size` ranks that are all this one process: every block it sends comes back to it. For checking
+    one rank's exact work on a single GPU: with the same K/V on every (simulated) rank, attention over the W
+    copies equals attention over one (softmax over duplicated keys: each weight is p_j / W, W times), so the
+    result must equal SDPA on the local q, k, v, forward and backward, while the ring runs all W steps, its
+    exchanges and its buffers at a real shard's shapes.
+      via = "p2p":  the real exchange, batch_isend_irecv to this rank's own global rank (NCCL sends to self
+                    inside a group call, as its all-to-all does; gloo cannot);
+      via = "copy": the exchange as a copy on a side stream, returned as a work whose wait() makes the
+                    compute stream wait for it (what an NCCL Work's wait() does); on CPU, a plain copy."""
+
+    def __init__(self, size, via="copy"):
+        assert size >= 1 and via in ("p2p", "copy"), (size, via)
+        self.size, self.via, self.stream = size, via, None
+
+    def exchange(self, ts):
+        bufs = [torch.empty_like(t) for t in ts]
+        if not ts[0].is_cuda:
+            for b, t in zip(bufs, ts):
+                b.copy_(t)
+            return [], bufs
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(priority=-1)  # high priority, as TORCH_NCCL_HIGH_PRIORITY gives NCCL
+        self.stream.wait_stream(torch.cuda.current_stream())  # the tensors are ready when the compute stream is
+        with torch.cuda.stream(self.stream):
+            for b, t in zip(bufs, ts):
+                b.copy_(t, non_blocking=True)
+                for x in (b, t):  # the allocator must not hand these out again before the side stream is done
+                    x.record_stream(self.stream)
+            done = torch.cuda.Event()
+            done.record()
+        return [_StreamWork(done)], bufs
+
+
+class _StreamWork:
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self):
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+def _ring_size(group):
+    return group.size if isinstance(group, SelfRing) else dist.get_world_size(group)
+
+
 def _neighbours(group):
     """Global ranks of the next and previous member of `group` (P2P takes global ranks)."""
+    if isinstance(group, SelfRing):
+        me = dist.get_rank() if dist.is_initialized() else 0
+        return me, me
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     r, w = dist.get_rank(group), len(ranks)
     return ranks[(r + 1) % w], ranks[(r - 1) % w]
@@ -133,6 +183,10 @@ def _exchange(ts, nxt, prv, group, tag):
     """Post: send each tensor of ts to the next rank, receive tensors like them from the previous one.
     Returns (works, bufs). Nothing waits here: the caller computes, then calls _wait(works). (Sending k and
     v as two messages, rather than one stacked tensor, saves a copy of the local K/V.)"""
+    if isinstance(group, SelfRing):
+        if group.via == "copy":
+            return group.exchange(ts)
+        group = None  # p2p to ourselves in the default group: our global rank is our rank there
     bufs = [torch.empty_like(t) for t in ts]
     ops = [dist.P2POp(dist.isend, t, nxt, group, tag + i) for i, t in enumerate(ts)]
     ops += [dist.P2POp(dist.irecv, b, prv, group, tag + i) for i, b in enumerate(bufs)]
@@ -164,7 +218,7 @@ def _wait(works, device):
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale):
-        W = dist.get_world_size(group)
+        W = _ring_size(group)
         nxt, prv = _neighbours(group) if W > 1 else (None, None)
         kv = [k, v]  # the block we compute with; at step s it is rank (r - s)'s
         out = lse = extra = None
@@ -189,7 +243,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
-        W = dist.get_world_size(group)
+        W = _ring_size(group)
         dout = dout.contiguous()
         if W == 1:
             dq, dk, dv = block_bwd(dout, q, k, v, out, lse, scale, ctx.extra)
@@ -236,28 +290,164 @@ def ring_attention(q, k, v, group=None, scale=None):
 
 # -----------------------------------------------------------------------------
 # PyTorch's own context parallelism, as the alternative (cp_impl = 'torch')
+#
+# PyTorch's context_parallel() reaches its ring through a dispatcher that is switched on for a whole region,
+# forward AND backward (it must still be on during loss.backward(), or the backward of the attention op takes
+# DTensor's ordinary sharding rules: a local-only or gathered backward, not the ring). A model that is
+# context-parallel in its attention calls alone has no such region. So we call the two functions that
+# dispatcher ends in, `_templated_ring_attention` and `_templated_ring_attention_backward`, from an
+# autograd.Function of our own: PyTorch's rotation, merge and backward accumulation, run exactly when autograd
+# asks for them, on the CP group, with the K/V passed from rank to rank ("alltoall" rotation), not all-gathered.
 
 
-@torch.compiler.disable  # (as ring_attention: its global dispatcher switch is no graph op)
-def torch_cp_attention(q, k, v, group=None):
-    """The same attention through torch.distributed.tensor.experimental's context_parallel machinery:
-    q, k, v become DTensors sharded on the sequence dim over a mesh of `group`, and SDPA on them dispatches
-    to PyTorch's ring attention. Load balancing is turned off: it reorders the sequence head-tail, which
-    only helps causal attention, and our shares are plain contiguous slabs. torch 2.13 has no CPU backward
-    for it (train.py refuses cp_impl='torch' on CPU)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.experimental import _attention as cp
-
-    group = group if group is not None else dist.group.WORLD
-    mesh = DeviceMesh.from_group(group, q.device.type)
-    cp._cp_options.enable_load_balance = False
-    cp._enable_context_parallel_dispatcher()
+def _torch_ring():
+    """PyTorch's ring functions and its options (private API: its place moved between releases)."""
     try:
-        qd, kd, vd = (DTensor.from_local(t.contiguous(), mesh, [Shard(2)], run_check=False) for t in (q, k, v))
-        return F.scaled_dot_product_attention(qd, kd, vd).to_local()
-    finally:
-        cp._disable_context_parallel_dispatcher()
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    except ImportError:
+        try:
+            from torch.distributed.tensor.experimental import _attention as cp
+        except ImportError:
+            cp = None
+    if cp is None or not all(hasattr(cp, n) for n in ("_templated_ring_attention", "_templated_ring_attention_backward",
+                                                     "_cp_options", "_RotateMethod")):
+        raise RuntimeError(f"cp_impl='torch' needs PyTorch's ring functions (_templated_ring_attention and its "
+                           f"_backward in torch.distributed.tensor.experimental), which torch {torch.__version__} "
+                           f"does not have where they are looked for: use cp_impl='ring'")
+    return cp
+
+
+def _torch_op(q, k, v, scale):
+    """The attention op PyTorch's SDPA would pick for these inputs (torch.nn.attention.sdpa_kernel is honoured),
+    as (forward op, backward op, name of its gradient argument, forward kwargs, names of the forward's extra
+    outputs that the backward takes). These are the ops and arguments of PyTorch's own ring handlers."""
+    aten = torch.ops.aten
+    base = dict(dropout_p=DROPOUT, scale=scale)
+    if q.device.type == "cpu":
+        return (aten._scaled_dot_product_flash_attention_for_cpu.default,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "grad_out", base, ())
+    choice = torch._fused_sdp_choice(q, k, v, None, DROPOUT, False, scale=scale)
+    from torch.nn.attention import SDPBackend
+    if choice == SDPBackend.FLASH_ATTENTION.value:
+        return (aten._scaled_dot_product_flash_attention.default,
+                aten._scaled_dot_product_flash_attention_backward.default, "grad_out", base,
+                ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"))
+    if choice == SDPBackend.EFFICIENT_ATTENTION.value:
+        return (_efficient_fwd, _efficient_bwd, "grad_out_",
+                dict(base, attn_bias=None, compute_log_sumexp=True), ("philox_seed", "philox_offset"))
+    if choice == SDPBackend.CUDNN_ATTENTION.value:
+        return (aten._scaled_dot_product_cudnn_attention.default,
+                aten._scaled_dot_product_cudnn_attention_backward.default, "grad_out",
+                dict(base, attn_bias=None, compute_log_sumexp=True),
+                ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"))
+    raise RuntimeError(f"cp_impl='torch': no fused attention kernel takes these inputs (SDPA picks backend "
+                       f"{choice}; head dim {q.shape[-1]}, {q.dtype}); use cp_impl='ring'")
+
+
+def _efficient_fwd(query, key, value, is_causal=False, **kw):
+    """The memory-efficient op with its log-sum-exp cut to the sequence: the kernel pads it along N to a multiple
+    of 32, and PyTorch's merge (which adds it to the output's rows) needs one value per row."""
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, is_causal=is_causal, **kw)
+    return out, lse[:, :, : query.shape[2]].contiguous(), seed, offset
+
+
+def _efficient_bwd(grad_out_, query, key, value, out, logsumexp, is_causal=False, **kw):
+    pad = (-logsumexp.shape[2]) % 32  # back to the kernel's padded layout (+inf: padded rows weigh nothing)
+    lse = F.pad(logsumexp, (0, pad), value=float("inf")) if pad else logsumexp
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out_, query, key, value, kw.pop("attn_bias"), out, lse, kw.pop("philox_seed"), kw.pop("philox_offset"),
+        kw.pop("dropout_p"), [True, True, True, False], is_causal, **kw)
+
+
+class _TorchOptions:
+    """PyTorch's ring reads module-level options: the rotation ("alltoall": blocks passed on, never every K/V
+    gathered), no load balancing (it reorders the sequence head-tail, which only helps causal attention; our
+    shares are contiguous slabs), partial results merged in fp32. Set for the call, restored after."""
+
+    def __init__(self, cp):
+        self.o, self.cp = cp._cp_options, cp
+
+    def __enter__(self):
+        self.saved = (self.o.rotate_method, self.o.enable_load_balance, self.o.convert_to_f32)
+        self.o.rotate_method, self.o.enable_load_balance = self.cp._RotateMethod.ALL_TO_ALL, False
+        self.o.convert_to_f32 = True
+
+    def __exit__(self, *exc):
+        self.o.rotate_method, self.o.enable_load_balance, self.o.convert_to_f32 = self.saved
+
+
+class TorchRingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale):
+        cp = _torch_ring()
+        fwd, bwd, grad_name, kw, extra_names = _torch_op(q, k, v, scale)
+        with _TorchOptions(cp):
+            out, lse, *rest = cp._templated_ring_attention(group, 2, fwd, q, k, v, is_causal=False, **kw)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.bwd, ctx.grad_name = group, bwd, grad_name
+        ctx.kw = dict(dict(zip(extra_names, rest)), **{n: kw[n] for n in kw if n != "compute_log_sumexp"})
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        cp = _torch_ring()
+        q, k, v, out, lse = ctx.saved_tensors
+        with _TorchOptions(cp):
+            dq, dk, dv, *_ = cp._templated_ring_attention_backward(
+                ctx.group, 2, ctx.bwd, dout.contiguous(), ctx.grad_name, q, k, v, out, lse, False, **ctx.kw)
+        return dq, dk, dv, None, None
+
+
+class CPMismatchError(RuntimeError):
+    """PyTorch's ring and ours disagree on this machine: cp_impl='torch' would train on wrong numbers."""
+
+
+_verified = set()  # (group, device, dtype, head dim) already checked against our ring
+
+
+def verify_torch_cp(group, device, dtype, head_dim):
+    """The check no CPU can make for every build: one small random problem through PyTorch's ring and ours,
+    forward and backward, on this CP group, device and dtype. Every rank draws the same full problem and takes
+    its share; the worst relative difference is agreed over the group, so every rank gives the same verdict.
+    Raises CPMismatchError if they differ beyond the dtype's tolerance."""
+    key = (id(group), str(device), dtype, head_dim)
+    if key in _verified:
+        return
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    n = 48  # tokens per rank: not a multiple of 32 (the efficient kernel's padding is exercised)
+    g = torch.Generator().manual_seed(1234)
+    full = [torch.randn(1, 2, W * n, head_dim, generator=g) for _ in range(4)]
+    q, k, v, dout = (t[:, :, r * n:(r + 1) * n].to(device, dtype) for t in full)
+    res = []
+    # its own little graph, whatever the caller is in: no_grad (validation), or a checkpointed block's forward
+    # (whose saved-tensor hooks must not see these tensors: the innermost hooks win, and these keep them as they are)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        for fn in (TorchRingAttention.apply, RingAttention.apply):
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            o = fn(*x, group, head_dim ** -0.5)
+            o.backward(dout)
+            res.append([o.detach().float()] + [t.grad.float() for t in x])
+    err = torch.stack([(a - b).abs().max() / b.abs().max().clamp_min(1e-6) for a, b in zip(*res)]).max()
+    dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)  # on `device`: NCCL serves CUDA tensors only
+    tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+    if not err.item() <= tol:  # (NaN refuses too)
+        raise CPMismatchError(
+            f"cp_impl='torch' disagrees with ring_attention on this machine ({device.type}, {dtype}, head dim "
+            f"{head_dim}, cp {W}): largest relative difference {err.item():.3g} > {tol} in the outputs or gradients. "
+            f"PyTorch's private ring functions behave differently in torch {torch.__version__}: use cp_impl='ring'")
+    _verified.add(key)
+
+
+@torch.compiler.disable  # (as ring_attention: its collectives and autograd.Function are not traced)
+def torch_cp_attention(q, k, v, group=None, scale=None):
+    """The same attention as ring_attention, through PyTorch's own ring functions (see above), checked against
+    ring_attention the first time it runs on a group, device, dtype and head dim (verify_torch_cp)."""
+    check_head_dim(q.shape[-1])
+    group = group if group is not None else dist.group.WORLD
+    verify_torch_cp(group, q.device, q.dtype, q.shape[-1])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return TorchRingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), group, scale)
 
 
 # -----------------------------------------------------------------------------

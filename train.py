@@ -75,7 +75,7 @@ grad_ckpt = False  # activation checkpointing: keep a block's input only, recomp
 ckpt_blocks = -1  # with grad_ckpt: how many blocks (-1 every one; model.ckpt_order which; plan.py: the least)
 # context parallelism: each sample's tokens split over cp ranks (contiguous inline slabs)
 cp = 1  # ranks per sample; world size must be a multiple; at most one node (8) in practice
-cp_impl = "ring"  # ring (ring_attention.py) | torch (PyTorch context_parallel; no CPU backward in torch 2.13)
+cp_impl = "ring"  # ring (ring_attention.py) | torch (PyTorch's own ring functions, checked against ours at start)
 mask_strata = 0  # masking strata (a multiple of cp; 0 = cp). Fix it to make masks independent of cp
 # optimisation
 max_steps = 200  # optimizer steps in the whole run
@@ -248,9 +248,6 @@ def setup(cfg):
     if world % cp:
         raise configurator.ConfigError(f"world size {world} is not divisible by cp={cp}: launch a multiple of "
                                        f"{cp} ranks (NPROC=...), or change cp")
-    if cp > 1 and cfg["cp_impl"] == "torch" and not on_gpu:
-        raise configurator.ConfigError("cp_impl='torch' cannot train on CPU: PyTorch 2.13's context_parallel has "
-                                       "no CPU backward (NotImplementedError). Use cp_impl='ring' on CPU.")
     if on_gpu:
         torch.cuda.set_device(local_rank)
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
@@ -316,6 +313,9 @@ def setup(cfg):
                                                   norm_pix_loss=cfg["norm_pix_loss"], grad_ckpt=plan.ckpt_arg(cfg),
                                                   mask_strata=cfg["mask_strata"] or cp)
     model.set_context_parallel(job.cp_group, cfg["cp_impl"])
+    if cp > 1 and cfg["cp_impl"] == "torch":  # PyTorch's ring against ours on this machine, before any work
+        for blk in (model.blocks[0], model.decoder_blocks[0]):  # the encoder's head dim and the decoder's
+            ring_attention.verify_torch_cp(job.cp_group, job.device, dtype, blk.qkv.in_features // blk.heads)
     job.n_params = sum(p.numel() for p in model.parameters())  # before any sharding hides them
     # ---- warm start (init_from): trained weights into the plain model, before a strategy shards it or copies them
     # into its fp32 masters. Only a new run: one with checkpoints of its own resumes them (a requeued job goes on).
@@ -561,7 +561,7 @@ def cli(argv):
     stop = checkpoint.StopRequest() if threading.current_thread() is threading.main_thread() else None
     try:
         rc = main(argv, stop)
-    except (configurator.ConfigError, data.DataError, FloatingPointError) as e:
+    except (configurator.ConfigError, data.DataError, FloatingPointError, ring_attention.CPMismatchError) as e:
         # bad input or a diverged run: one clear line, non-zero exit, nothing half-written
         if rank == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)

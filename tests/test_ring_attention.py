@@ -81,17 +81,61 @@ def test_ring_in_every_layer_no_deadlock():
 
 
 def _check_torch_cp(rank, W):
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 8 * W, 32) for _ in range(3))
-    sl = slice(rank * 8, (rank + 1) * 8)
-    ours = RA.ring_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl])
-    theirs = RA.torch_cp_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl])
-    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v)[:, :, sl], rtol=1e-5, atol=1e-5)
+    """cp_impl='torch': PyTorch's own ring functions in our autograd.Function, forward and backward, against fp64
+    SDPA and against our ring (head dims of the ViT-G encoder, 104, and decoder, 32)."""
+    for i, (dtype, d, n, h, tol) in enumerate(CASES + [(torch.float32, 104, 10, 2, 1e-5)]):
+        (q, k, v, dout), refs = _reference(100 + i, W, dtype, d, n, h)
+        sl = slice(rank * n, (rank + 1) * n)
+        got = {}
+        for name, fn in (("torch", RA.torch_cp_attention), ("ring", RA.ring_attention)):
+            x = [t[:, :, sl].clone().requires_grad_() for t in (q, k, v)]
+            out = fn(*x)
+            out.backward(dout[:, :, sl])
+            got[name] = [out.detach(), *(t.grad for t in x)]
+            for a, ref, what in zip(got[name], refs, ("out", "dq", "dk", "dv")):
+                _close(a, ref[:, :, sl], tol, f"{name} W={W} {dtype} d={d} {what}")
+        for a, b in zip(got["torch"], got["ring"]):
+            _close(a, b.double(), tol, f"torch vs ring W={W} {dtype} d={d}")
 
 
-def test_torch_context_parallel_forward_equals_ring():
-    run_ranks(2, _check_torch_cp)
+@pytest.mark.parametrize("W", [2, 3])
+def test_torch_context_parallel_equals_ring_forward_and_backward(W):
+    run_ranks(W, _check_torch_cp)
+
+
+class _LocalBackward:
+    """PyTorch's ring module with a broken backward: each rank's own diagonal block only (what a backward that
+    escapes the ring gives: silently wrong dq/dk/dv)."""
+
+    def __init__(self, cp):
+        self._cp = cp
+
+    def __getattr__(self, name):
+        return getattr(self._cp, name)
+
+    @staticmethod
+    def _templated_ring_attention_backward(group, seq_dim, op, grad_out, grad_out_name, query, key, value, out,
+                                           logsumexp, is_causal, **kw):
+        return op(**{grad_out_name: grad_out}, query=query, key=key, value=value, out=out, logsumexp=logsumexp,
+                  is_causal=is_causal, **kw)
+
+
+def _check_guard_refuses(rank, W):
+    real = RA._torch_ring
+    RA._torch_ring = lambda: _LocalBackward(real())
+    try:
+        with pytest.raises(RA.CPMismatchError, match="cp_impl='torch' disagrees with ring_attention"):
+            RA.verify_torch_cp(dist.group.WORLD, torch.device("cpu"), torch.float32, 32)
+        q = torch.randn(1, 2, 8, 32)
+        with pytest.raises(RA.CPMismatchError):  # and the attention call itself refuses, on every rank
+            RA.torch_cp_attention(q, q, q)
+    finally:
+        RA._torch_ring = real
+    RA.verify_torch_cp(dist.group.WORLD, torch.device("cpu"), torch.float32, 32)  # the real one passes
+
+
+def test_torch_cp_guard_refuses_a_wrong_backward():
+    run_ranks(2, _check_guard_refuses)
 
 
 def test_simulated_ring_matches_full_attention_on_this_device():
