@@ -84,9 +84,12 @@ def save(engine, ckpt_dir, step, client_state, keep, rank):
     path = os.path.join(ckpt_dir, tag)
     if (step, tag) in complete_checkpoints(ckpt_dir):
         return  # already saved (a resumed run that had nothing left to do): never rewrite a good one
-    # never save non-finite weights: check on every rank, agree on the answer
-    finite = torch.tensor([float(all(torch.isfinite(p).all() for p in local_params(engine)))],
-                          device=next(engine.module.parameters()).device)  # NCCL reduces only CUDA tensors
+    # never save non-finite weights: check on every rank, agree on the answer. The flag is built on the device
+    # (a bool per parameter read on the host would sync once per parameter); the .item() below is the one sync
+    device = next(engine.module.parameters()).device  # NCCL reduces only CUDA tensors
+    finite = torch.ones(1, device=device)
+    for p in local_params(engine):
+        finite.mul_(torch.isfinite(p).all())
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if finite.item() < 1:
         raise FloatingPointError(f"weights are non-finite after step {step}: checkpoint {tag} NOT written; "

@@ -299,7 +299,7 @@ def main(argv):
         dist.destroy_process_group()
         return 75
     dt = time.time() - t0
-    rate = torch.tensor([n_tok / max(dt, 1e-9)], dtype=torch.float64)
+    rate = torch.tensor([n_tok / max(dt, 1e-9)], dtype=torch.float64, device=device)  # NCCL: CUDA tensors only
     dist.all_reduce(rate)
     dist.barrier()
     if rank == 0:

@@ -66,8 +66,10 @@ def run(forward, model, sampler, seed, n, device, dtype, micro_batch, cp_rank=0,
                 s, _ = M.mae_loss(pred[b:b + 1], patches[b:b + 1], ids_masked[b:b + 1], model.norm_pix_loss)
                 sums[i] += s.double() / masked_count
         if want_slices and dp_rank == 0 and parts is None and ids[0] == 0:  # sample 0 leads dp group 0's first batch
-            xs, rs, ms = reconstruct.voxel_views(model, x, pred, mask)
-            parts = reconstruct.centre_parts(xs, rs, ms, cp_rank * xs.shape[0], cp * xs.shape[0])
+            # the slab's voxel views stay on the device and are dropped at once: only the slices are kept
+            views, Z_loc = reconstruct.voxel_views(model, x, pred, mask), x.shape[2]
+            parts = reconstruct.centre_parts(*views, cp_rank * Z_loc, cp * Z_loc)
+            del views
     slices = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sums)

@@ -40,13 +40,17 @@ ROWS = (("inline", "crossline", "time sample"),  # the inline slice: crossline a
 
 
 def centre_parts(x, recon, masked, z0, Z):
-    """This rank's pieces of the three centre slices. x, recon (Z_loc, Y, X) float, masked (Z_loc, Y, X) bool:
-    the rank's slab of inline planes [z0, z0 + Z_loc) of a crop Z planes deep. Returns {name: (3, a, b) array of
-    original, reconstruction, mask} with the inline slice only on the rank that holds plane Z // 2, and the
-    crossline and time slices cut to this slab's planes. A few MB per rank, never the slab: under cp only this
-    travels to rank 0."""
+    """This rank's pieces of the three centre slices. x, recon (Z_loc, Y, X) float, masked (Z_loc, Y, X) bool,
+    tensors on any device (voxel_views) or numpy: the rank's slab of inline planes [z0, z0 + Z_loc) of a crop Z
+    planes deep. Returns {name: (3, a, b) numpy array of original, reconstruction, mask} with the inline slice
+    only on the rank that holds plane Z // 2, and the crossline and time slices cut to this slab's planes. A few
+    MB per rank, never the slab: the slices are cut where the slab is (a GPU) and only they come to the host,
+    and under cp only they travel to rank 0."""
     zc, yc, xc = Z // 2, x.shape[1] // 2, x.shape[2] // 2
-    stack = lambda sel: np.stack([np.asarray(a[sel], dtype=np.float32) for a in (x, recon, masked)])  # noqa: E731
+
+    def host(a):  # one cut slice -> float32 numpy (the same values whether it was cut from a tensor or an array)
+        return a.float().cpu().numpy() if torch.is_tensor(a) else np.asarray(a, dtype=np.float32)
+    stack = lambda sel: np.stack([host(a[sel]) for a in (x, recon, masked)])  # noqa: E731
     out = {"crossline": stack(np.s_[:, yc, :]), "time": stack(np.s_[:, :, xc])}
     if z0 <= zc < z0 + x.shape[0]:
         out["inline"] = stack(np.s_[zc - z0])
@@ -63,14 +67,16 @@ def join_parts(parts):
 
 
 def voxel_views(model, x, pred, mask):
-    """Sample 0 of a batch as voxels: (x, reconstruction, masked) each (Z_loc, Y, X) numpy. x (B, 1, Z_loc, Y, X)
-    the model's input slab, pred (B, L_loc, P), mask (B, L_loc) with 1 = masked (the model's outputs)."""
+    """Sample 0 of a batch as voxels: (x in its own dtype, reconstruction float, masked bool) each (Z_loc, Y, X),
+    tensors on the device of the inputs (no host copy: a slab is GBs at long context; centre_parts cuts the
+    slices there). x (B, 1, Z_loc, Y, X) the model's input slab, pred (B, L_loc, P), mask (B, L_loc) with
+    1 = masked (the model's outputs)."""
     import model as M
     gz, gy, gx = x.shape[2] // model.patch[0], x.shape[3] // model.patch[1], x.shape[4] // model.patch[2]
     patches = M.patchify(x[:1].float(), model.patch)
     recon = M.unpatchify(M.pred_to_voxels(pred[:1], patches, model.norm_pix_loss), model.patch, (gz, gy, gx))
     m = M.unpatchify(mask[:1, :, None].expand(-1, -1, model.P).float(), model.patch, (gz, gy, gx)) > 0.5
-    return x[0, 0].float().cpu().numpy(), recon[0, 0].cpu().numpy(), m[0, 0].cpu().numpy()
+    return x[0, 0], recon[0, 0], m[0, 0]
 
 
 # -----------------------------------------------------------------------------

@@ -169,7 +169,7 @@ def test_pasted_panel_is_the_original_on_visible_patches_and_norm_pix_is_undone(
     xs, rs, ms = reconstruct.voxel_views(m, x, pred, mask)
     assert np.allclose(rs, xs, atol=1e-5)
     vox = M.unpatchify(mask[:, :, None].expand(-1, -1, m.P), patch, grid)[0, 0].numpy() > 0.5
-    assert np.array_equal(ms, vox) and 0 < ms.mean() < 1
+    assert np.array_equal(ms, vox) and 0 < ms.float().mean() < 1  # (tensors: voxel_views leaves them on the device)
     # now a wrong prediction, so that the panels differ: the pasted panel must be the original where visible and
     # the reconstruction where masked, in every drawn row; the masked input blank (NaN) exactly where masked
     rs = rs + 5.0
