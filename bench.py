@@ -65,7 +65,8 @@ def bench_step(argv, warmup=3, steps=10):
         out = {"bench": "step_compile", "config": args[0] if args else "defaults", "device": runs[False]["device"],
                "ms_per_step_eager": runs[False]["ms_per_step"], "ms_per_step_compiled": runs[True]["ms_per_step"],
                "warmup_s_eager": runs[False]["warmup_s"], "warmup_s_compiled": runs[True]["warmup_s"],
-               "speedup_compiled": round(runs[False]["ms_per_step"] / runs[True]["ms_per_step"], 3)}
+               "speedup_compiled": round(runs[False]["ms_per_step"] / runs[True]["ms_per_step"], 3),
+               "losses_eager": runs[False]["losses"], "losses_compiled": runs[True]["losses"]}
         table([[name, f"{runs[c]['ms_per_step']:.1f}", f"{runs[c]['warmup_s']:.1f}"]
                for name, c in (("eager", False), ("compiled", True))], ["blocks", "ms/step", f"{warmup} warm-up steps, s"])
         print(f"compiled vs eager in this run: {out['speedup_compiled']:.2f}x the speed")
@@ -114,9 +115,11 @@ def _time_steps(cfg, argv, warmup, steps, quiet=False):
             train.train_step(job, s, batches)
         sync()
         warm = time.perf_counter() - t0
-        t, wait = time.perf_counter(), 0.0
+        t, wait, losses = time.perf_counter(), 0.0, []
         for s in range(warmup, warmup + steps):
-            wait += train.train_step(job, s, batches)[2]
+            loss, _, w, _ = train.train_step(job, s, batches)
+            losses.append(loss)  # (a device tensor: read after the timing, no host sync per step)
+            wait += w
         sync()
         dt = (time.perf_counter() - t) / steps
     finally:
@@ -130,7 +133,8 @@ def _time_steps(cfg, argv, warmup, steps, quiet=False):
            "dtype": str(job.dtype).replace("torch.", ""), "threads": threads, "tokens": job.model.L,
            "global_batch": job.global_batch, "ms_per_step": round(1000 * dt, 2), "samples_per_s": round(sps, 3),
            "achieved_flops": achieved, "matmul_flops": peak, "frac_of_matmul": round(achieved / peak, 4),
-           "data_wait_frac": round(wait / (dt * steps), 4), "warmup_s": round(warm, 2)}
+           "data_wait_frac": round(wait / (dt * steps), 4), "warmup_s": round(warm, 2),
+           "losses": [round(x.item(), 6) for x in losses]}
     if quiet:
         return res
     table([[res["config"], res["device"], res["threads"], res["tokens"], res["global_batch"],
@@ -256,7 +260,8 @@ def calibrate():
     """The planner's FLOP and activation terms against measurements on small configs, on this machine (fp32):
     FLOPs counted by torch's FlopCounterMode over forward + backward (attention through the math kernel, whose
     matmuls it can see: it does not count the CPU flash kernel); persistent activations as the bytes of the
-    tensors autograd saves during forward (saved_tensors_hooks, each storage once, parameters excluded).
+    tensors autograd saves during forward (saved_tensors_hooks, each storage once, parameters excluded). And
+    the ring's backward memory (plan.ring_bytes) against the CPU allocator, in fp32 and bf16.
     Returns the table rows and the worst relative error."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
@@ -300,6 +305,56 @@ def calibrate():
             worst = max(worst, abs(e))
             rows.append([name, f"activations{label}", f"{act_model / 2 ** 20:.2f} MiB",
                          f"{act_measured / 2 ** 20:.2f} MiB", f"{100 * e:+.1f}%"])
+    # The ring's backward: what one rank's RingAttention.backward allocates beyond what it is handed, at its
+    # peak, counted by the profiler's CPU allocation events (each allocation and free, from the start of backward).
+    # One rank of a W-rank ring in this process: the exchange is done as a local copy, so the "received" blocks
+    # are this rank's own (the gradients are not attention's, the allocations are the ring's): the receive
+    # buffers are the only tensors the real exchange allocates, and 2, 3 and 4 gloo ranks allocated exactly
+    # the same bytes at these shapes. Wide and short (N 256, 16 heads of 64): the per-token terms dwarf the CPU
+    # kernel's scratch tiles per thread (fixed sizes, which ring_bytes leaves out: under 3 % here).
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    import ring_attention as RA
+    from plan import ring_bytes
+
+    def walk(events):
+        for ev in events:
+            yield ev
+            yield from walk(ev.children)
+
+    def ring_backward_peak(W, N, H, d, dtype):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, H, N, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
+        dout = torch.randn(1, N, H, d, generator=g, dtype=dtype).transpose(1, 2)  # as proj's backward hands it on
+        local = lambda ts, nxt, prv, group, tag: ([], [t.clone() for t in ts])  # noqa: E731
+        with mock.patch.object(RA, "dist", SimpleNamespace(get_world_size=lambda group=None: W)), \
+                mock.patch.object(RA, "_neighbours", lambda group: (None, None)), \
+                mock.patch.object(RA, "_exchange", local):
+            out = RA.ring_attention(q, k, v)
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                out.backward(dout)
+        allocs = sorted((ev.start_time_ns, ev.extra_fields.alloc_size)
+                        for ev in walk(prof.profiler.kineto_results.experimental_event_tree())
+                        if ev.tag == _EventType.Allocation and ev.extra_fields.device.type == "cpu")
+        held = peak = 0
+        for _, size in allocs:
+            held += size
+            peak = max(peak, held)
+        return peak
+
+    N, H, d = 256, 16, 64
+    for dtype, W in ((torch.float32, 2), (torch.float32, 4), (torch.bfloat16, 4)):
+        ring_backward_peak(W, 64, H, d, dtype)  # warm-up: the kernels' first calls
+        measured = ring_backward_peak(W, N, H, d, dtype)
+        planned = ring_bytes(N, H * d, d, dtype.itemsize, W, on_gpu=False)
+        e = measured / planned - 1
+        worst = max(worst, abs(e))
+        rows.append([f"ring W={W}, {N} x {H} x {d}", f"ring backward ({str(dtype)[6:]})",
+                     f"{planned / 2 ** 20:.2f} MiB", f"{measured / 2 ** 20:.2f} MiB", f"{100 * e:+.1f}%"])
     return rows, worst
 
 

@@ -116,6 +116,8 @@ gpu_env() {
   export LD_LIBRARY_PATH=/opt/amazon/efa/lib:/opt/amazon/ofi-nccl/lib:${LD_LIBRARY_PATH:-}  # aws-ofi-nccl
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # less fragmentation at 100+ GB working sets
   export TORCH_NCCL_ASYNC_ERROR_HANDLING=1   # a failed rank tears the job down instead of hanging the others
+  export TORCH_NCCL_HIGH_PRIORITY=1          # NCCL's streams at high priority: the ring's K/V transfers are not
+                                             # queued behind a saturating attention kernel on the compute stream
   export TORCH_NCCL_DUMP_ON_TIMEOUT=1        # on a hang, each rank dumps its flight recorder...
   export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}  # ...of its last 2000 collectives, to find the stuck one
   export TORCH_NCCL_TRACE_BUFFER_SIZE=$TORCH_FR_BUFFER_SIZE  # (the older name of the same setting)
