@@ -193,19 +193,39 @@ def sec_ops(smoke, dev, out_dir):
         cases = tuple((P, P * 13, d) for P, _, d in cases)
     rows, worst = [], {}
     for dtype, tol in ((torch.float32, 5e-5), (torch.bfloat16, 2e-2)):
-        for P, N, Dh in cases:
-            g = torch.Generator(device=dev).manual_seed(P * N)
-            q, k, v, dout = (torch.randn(1, 4, N, Dh, device=dev, generator=g) for _ in range(4))
-            qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-            ref = F.scaled_dot_product_attention(qr, kr, vr)  # fp64 reference (math kernel)
-            ref.backward(dout.double())
-            got, grads = RA.simulate_ring(*(t.to(dtype) for t in (q, k, v)), P, dout=dout.to(dtype))
-            errs = [rel_err(a, b) for a, b in zip((got, *grads), (ref, qr.grad, kr.grad, vr.grad))]
-            name = f"{str(dtype)[6:]} P={P} N={N} D={Dh}"
-            worst[name] = max(errs)
-            rows.append([name, *(f"{e:.2e}" for e in errs), "ok" if max(errs) <= tol else "FAIL"])
-    table(rows, ["case", "out", "dq", "dk", "dv", "tol fp32 5e-5 / bf16 2e-2"])
+        for pin in _pins(dev, dtype):
+            for P, N, Dh in cases:
+                g = torch.Generator(device=dev).manual_seed(P * N)
+                q, k, v, dout = (torch.randn(1, 4, N, Dh, device=dev, generator=g) for _ in range(4))
+                qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+                ref = F.scaled_dot_product_attention(qr, kr, vr)  # fp64 reference (math kernel)
+                ref.backward(dout.double())
+                x = [t.to(dtype) for t in (q, k, v)]
+                with _pinned(pin):
+                    kernel = RA.block_kernel(*x, Dh ** -0.5)
+                    got, grads = RA.simulate_ring(*x, P, dout=dout.to(dtype))
+                errs = [rel_err(a, b) for a, b in zip((got, *grads), (ref, qr.grad, kr.grad, vr.grad))]
+                name = f"{str(dtype)[6:]} {kernel} P={P} N={N} D={Dh}"
+                worst[name] = max(errs)
+                rows.append([name, *(f"{e:.2e}" for e in errs), "ok" if max(errs) <= tol else "FAIL"])
+    table(rows, ["case (dtype, kernel)", "out", "dq", "dk", "dv", "tol fp32 5e-5 / bf16 2e-2"])
     return {"max_rel_err": worst, "ok": all(r[-1] == "ok" for r in rows)}
+
+
+def _pins(dev, dtype):
+    """The kernels to try for the ring's blocks: SDPA's own choice (None), and on CUDA in 16 bits FlashAttention-2
+    pinned too (SDPA picks cuDNN there on an H200: both must be right)."""
+    return [None] + ([[_backend("FLASH_ATTENTION")]] if dev.type == "cuda" and dtype != torch.float32 else [])
+
+
+def _backend(name):
+    from torch.nn.attention import SDPBackend
+    return getattr(SDPBackend, name)
+
+
+def _pinned(pin):
+    from torch.nn.attention import sdpa_kernel
+    return sdpa_kernel(pin) if pin is not None else _nothing()
 
 
 def _self_ring_vias(dev, out_dir):
@@ -224,7 +244,8 @@ def sec_self_ring(smoke, dev, out_dir):
     n = 24 if smoke else 1000
     rows = []
     for via in _self_ring_vias(dev, out_dir):
-        for dtype, tol in ((torch.float32, 5e-5), (torch.bfloat16, 2e-2)):
+        for dtype, tol, pin in [(dt, tl, p) for dt, tl in ((torch.float32, 5e-5), (torch.bfloat16, 2e-2))
+                                for p in _pins(dev, dt)]:
             for d in (32, 104):
                 for W in (2, 4, 8):
                     g = torch.Generator(device=dev).manual_seed(W * d)
@@ -235,14 +256,18 @@ def sec_self_ring(smoke, dev, out_dir):
                     errs = []
                     for _ in range(2):  # called again: nothing stale from the first call
                         x = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]  # (fresh leaves)
-                        out = RA.ring_attention(*x, group=RA.SelfRing(W, via))
-                        out.backward(dout.to(dtype))
+                        with _pinned(pin):
+                            kernel = RA.block_kernel(*x, d ** -0.5)
+                            out = RA.ring_attention(*x, group=RA.SelfRing(W, via))
+                            out.backward(dout.to(dtype))
                         errs.append(max(rel_err(a, b) for a, b in zip((out.detach(), *(t.grad for t in x)),
                                                                      (o, *(t.grad for t in ref)))))
-                    rows.append([via, str(dtype)[6:], d, W, f"{max(errs):.2e}", "ok" if max(errs) <= tol else "FAIL"])
-    table(rows, ["exchange", "dtype", "head dim", "W", "max rel err (out, dq, dk, dv; 2 calls)", "tol 5e-5 / 2e-2"])
+                    rows.append([via, str(dtype)[6:], kernel, d, W, f"{max(errs):.2e}",
+                                 "ok" if max(errs) <= tol else "FAIL"])
+    table(rows, ["exchange", "dtype", "kernel", "head dim", "W", "max rel err (out, dq, dk, dv; 2 calls)",
+                 "tol 5e-5 / 2e-2"])
     dist.destroy_process_group()
-    return {"vias": sorted({r[0] for r in rows}), "worst": max(float(r[4]) for r in rows),
+    return {"vias": sorted({r[0] for r in rows}), "worst": max(float(r[-2]) for r in rows),
             "ok": all(r[-1] == "ok" for r in rows)}
 
 
@@ -338,19 +363,21 @@ def sec_big_blocks(smoke, dev, out_dir):
         y_ref, g_ref = fwd_bwd(None)  # plain SDPA over the local tokens: what the self-ring must reproduce
         err = max(rel_err(y_ring, y_ref), rel_err(g_ring, g_ref))
         d = C // H
+        q1 = torch.empty(1, H, 8, d, device=dev, dtype=dtype)
+        kernel = RA.block_kernel(q1, q1, q1, d ** -0.5)
         attn_flops = 3.5 * 4 * n * (W * n) * C  # fwd + bwd of this rank's rows against W blocks
         mm_flops = 3 * 24 * n * C * C  # qkv, proj, fc1, fc2 (mlp 4): 2 n (3C^2 + C^2 + 8C^2) fwd, x3 with bwd
         gpu = P.GPUS["H200"]
         planned = attn_flops / (P.attention_tflops(d) * 1e12) + mm_flops / (0.4 * gpu["flops"])
         tol = 3e-2 if dtype == torch.bfloat16 else 5e-5
-        res[name] = {"tokens_per_rank": n, "width": C, "head_dim": d, "ms": round(1000 * t, 1),
+        res[name] = {"kernel": kernel, "tokens_per_rank": n, "width": C, "head_dim": d, "ms": round(1000 * t, 1),
                      "planned_ms": round(1000 * planned, 1), "peak_gib": round(peak / 2 ** 30, 3),
                      "attention_tflops": round(attn_flops / t / 1e12, 1), "rel_err_vs_sdpa": err, "ok": err <= tol}
-        rows.append([name, f"{n:,}", C, d, f"{1000 * t:.1f}", f"{1000 * planned:.1f}", f"{attn_flops / t / 1e12:.0f}",
+        rows.append([name, kernel, f"{n:,}", C, d, f"{1000 * t:.1f}", f"{1000 * planned:.1f}", f"{attn_flops / t / 1e12:.0f}",
                      f"{P.attention_tflops(d):.0f}", f"{peak / 2 ** 30:.2f}", f"{err:.1e}", "ok" if err <= tol else "FAIL"])
         del blk, x, dout
     print(f"one block at big_context's per-rank shapes, {str(dtype)[6:]}, self-ring W={W} ({via})")
-    table(rows, ["block", "tokens/rank", "width", "head dim", "fwd+bwd ms", "plan.py ms", "attn TFLOP/s",
+    table(rows, ["block", "kernel", "tokens/rank", "width", "head dim", "fwd+bwd ms", "plan.py ms", "attn TFLOP/s",
                  "plan.py attn TFLOP/s", "peak GiB", "err vs SDPA", "ok"])
     dist.destroy_process_group()
     res["ok"] = all(res[s[0]]["ok"] for s in stacks)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 # Dropout inside attention: none (MAE uses none). The fused ops take it as an argument; it must stay 0 because
-# the ring reuses block 0's extra outputs (the CUDA flash op's RNG state among them) for every block's
+# the ring reuses block 0's extra outputs (the CUDA kernels' RNG state among them) for every block's
 # backward: with dropout each block would need its own RNG state.
 DROPOUT = 0.0
 
@@ -73,33 +73,60 @@ def check_head_dim(d):
                          f"of 8 in [8, 256]): change dim / heads, e.g. dim = 64 * heads")
 
 
-def block_fwd(q, k, v, scale):
-    """out (B, H, Nq, Dh) in q.dtype, lse (B, H, Nq) fp32 contiguous, and the op's extra outputs that its
-    backward needs (CUDA flash only)."""
+def block_kernel(q, k, v, scale):
+    """Which fused kernel runs a block: the one F.scaled_dot_product_attention would pick for these inputs (so
+    torch.nn.attention.sdpa_kernel pins it, as for plain SDPA): 'cpu' (the CPU flash kernel), or on CUDA 'cudnn'
+    (cuDNN's, what SDPA picks for bf16 on an H200 with torch 2.11: the fastest there, see bench_gpu.py
+    attention_rates), 'flash' (FlashAttention-2) or 'efficient' (memory-efficient, the one for fp32)."""
     if q.device.type == "cpu":
+        return "cpu"
+    from torch.nn.attention import SDPBackend
+    choice = torch._fused_sdp_choice(q, k, v, None, DROPOUT, False, scale=scale)
+    kernel = {SDPBackend.CUDNN_ATTENTION.value: "cudnn", SDPBackend.FLASH_ATTENTION.value: "flash",
+              SDPBackend.EFFICIENT_ATTENTION.value: "efficient"}.get(choice)
+    if kernel is None:
+        raise RuntimeError(f"no fused attention kernel takes these inputs (SDPA picks backend {choice}; head dim "
+                           f"{q.shape[-1]}, {q.dtype}): the ring needs one that returns the log-sum-exp")
+    return kernel
+
+
+def block_fwd(q, k, v, scale):
+    """out (B, H, Nq, Dh) in q.dtype, lse (B, H, Nq) fp32 contiguous, and what the kernel's backward needs
+    (the kernel's name first, then its extra outputs)."""
+    kernel = block_kernel(q, k, v, scale)
+    if kernel == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, DROPOUT, False, scale=scale)
-        return out, lse.contiguous(), None
-    if q.dtype in (torch.float16, torch.bfloat16):
+        return out, lse.contiguous(), (kernel,)
+    if kernel == "cudnn":  # its lse may keep a trailing dim of 1 (B, H, N, 1): merged without it, given back with it
+        r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, DROPOUT, False, False, scale=scale)
+        return r[0], r[1].reshape(r[1].shape[:3]).contiguous(), (kernel, r[1].dim(), *r[2:8])
+    if kernel == "flash":
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, DROPOUT, False, False, scale=scale)
-        return r[0], r[1].contiguous(), r[2:8]  # cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused
-    # fp32 on GPU: flash needs 16-bit inputs, the memory-efficient kernel takes fp32. Its lse is padded
-    # along N to a multiple of 32; keep the first Nq columns.
+        return r[0], r[1].contiguous(), (kernel, *r[2:8])  # cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused
+    # memory-efficient (fp32 on GPU): its lse is padded along N to a multiple of 32; keep the first Nq columns
     out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, DROPOUT, False, scale=scale)
-    return out, lse[:, :, : q.shape[2]].contiguous(), (seed, offset)
+    return out, lse[:, :, : q.shape[2]].contiguous(), (kernel, seed, offset)
 
 
 def block_bwd(dout, q, k, v, out, lse, scale, extra):
     """(dq, dk, dv) of one block, given the GLOBAL out and lse (see the module docstring)."""
-    if q.device.type == "cpu":
+    kernel, *ex = extra
+    if kernel == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, DROPOUT, False, scale=scale)
-    if q.dtype in (torch.float16, torch.bfloat16):
-        cum_q, cum_k, _, _, rng_state, unused = extra
+    if kernel == "cudnn":
+        lse_dims, cum_q, cum_k, max_q, max_k, seed, offset = ex
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse.unsqueeze(-1) if lse_dims == 4 else lse,
+            philox_seed=seed, philox_offset=offset, attn_bias=None, cum_seq_q=cum_q, cum_seq_k=cum_k, max_q=max_q,
+            max_k=max_k, dropout_p=DROPOUT, is_causal=False, scale=scale)[:3]
+    if kernel == "flash":
+        cum_q, cum_k, _, _, rng_state, unused = ex
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], DROPOUT, False, rng_state, unused,
             scale=scale)
-    seed, offset = extra
+    seed, offset = ex
     # back to the padded layout the kernel expects, padded as the kernel pads: +inf, so that a padded row's
     # weights exp(s - lse) are 0 whatever its scores
     pad = (-lse.shape[2]) % 32
@@ -267,6 +294,7 @@ class RingAttention(torch.autograd.Function):
             else:
                 _wait(dkv_works, q.device)  # the accumulator has been travelling while we computed
                 dkv = [dkv_in[0].add_(dk_b), dkv_in[1].add_(dv_b)]
+            del dq_b, dk_b, dv_b  # folded in: not held through the next block's backward
             # send the accumulator on with its block; the one we receive belongs to the next block we hold
             dkv_works, dkv_in = _exchange(dkv, nxt, prv, group, tag=2)
             if step < W - 1:
