@@ -168,14 +168,11 @@ def _attention_worker(rank, world, port, variant, B, H, N, D, iters, out_path):
         dist.init_process_group("gloo", rank=rank, world_size=world)
     n = N if variant == "sdpa" else N // world  # tokens held by this process
     fn = {"sdpa": F.scaled_dot_product_attention, "ring": RA.ring_attention, "torch": RA.torch_cp_attention}[variant]
-    backward = variant != "torch"  # torch 2.13 has no CPU backward for context_parallel
     g = torch.Generator().manual_seed(rank)
     small = [torch.randn(B, H, 256, D, generator=g, requires_grad=True) for _ in range(3)]
-    o = fn(*small)  # warm-up: kernels and communicators initialised outside the timing
-    if backward:
-        o.sum().backward()
+    fn(*small).sum().backward()  # warm-up: kernels and communicators initialised outside the timing
     base = _rss_bytes()
-    q, k, v = (torch.randn(B, H, n, D, generator=g, requires_grad=backward) for _ in range(3))
+    q, k, v = (torch.randn(B, H, n, D, generator=g, requires_grad=True) for _ in range(3))
     dout = torch.randn(B, H, n, D, generator=g)
     times, waits = [], []
     for _ in range(iters):
@@ -184,8 +181,7 @@ def _attention_worker(rank, world, port, variant, B, H, N, D, iters, out_path):
         RA.comm_wait_s(reset=True)
         t = time.perf_counter()
         o = fn(q, k, v)
-        if backward:
-            o.backward(dout)
+        o.backward(dout)
         times.append(time.perf_counter() - t)
         waits.append(RA.comm_wait_s())
         del o
@@ -231,8 +227,8 @@ def bench_attention(argv):
     flops = 4 * B * H * N * N * D  # forward matmul FLOPs of the whole attention
     for v, r in res.items():
         procs = 1 if v == "sdpa" else P
-        work = flops * (3.5 if v != "torch" else 1.0)  # backward ~2.5x forward
-        rows.append([v, procs, P if v == "sdpa" else 1, "fwd" if v == "torch" else "fwd+bwd", f"{r['time_s']:.3f}",
+        work = flops * 3.5  # backward ~2.5x forward
+        rows.append([v, procs, P if v == "sdpa" else 1, "fwd+bwd", f"{r['time_s']:.3f}",
                      f"{work / r['time_s'] / 1e9:.1f}", f"{r['peak_bytes'] / 2 ** 20:.1f}",
                      f"{100 * r['comm_wait_s'] / r['time_s']:.1f}%" if v == "ring" else "-"])
     print(f"attention B={B} H={H} N={N:,} (total) D={D}; ring and torch over {P} ranks, 1 thread each; "
@@ -307,14 +303,10 @@ def calibrate():
                          f"{act_measured / 2 ** 20:.2f} MiB", f"{100 * e:+.1f}%"])
     # The ring's backward: what one rank's RingAttention.backward allocates beyond what it is handed, at its
     # peak, counted by the profiler's CPU allocation events (each allocation and free, from the start of backward).
-    # One rank of a W-rank ring in this process: the exchange is done as a local copy, so the "received" blocks
-    # are this rank's own (the gradients are not attention's, the allocations are the ring's): the receive
-    # buffers are the only tensors the real exchange allocates, and 2, 3 and 4 gloo ranks allocated exactly
-    # the same bytes at these shapes. Wide and short (N 256, 16 heads of 64): the per-token terms dwarf the CPU
+    # One rank of a W-rank ring in this process (ring_attention.SelfRing: the exchange done as a local copy, the
+    # "received" blocks this rank's own): the receive buffers are the only tensors the real exchange allocates,
+    # and 2, 3 and 4 gloo ranks allocated exactly the same bytes at these shapes. Wide and short (N 256, 16 heads of 64): the per-token terms dwarf the CPU
     # kernel's scratch tiles per thread (fixed sizes, which ring_bytes leaves out: under 3 % here).
-    from types import SimpleNamespace
-    from unittest import mock
-
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
@@ -330,13 +322,9 @@ def calibrate():
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, H, N, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
         dout = torch.randn(1, N, H, d, generator=g, dtype=dtype).transpose(1, 2)  # as proj's backward hands it on
-        local = lambda ts, nxt, prv, group, tag: ([], [t.clone() for t in ts])  # noqa: E731
-        with mock.patch.object(RA, "dist", SimpleNamespace(get_world_size=lambda group=None: W)), \
-                mock.patch.object(RA, "_neighbours", lambda group: (None, None)), \
-                mock.patch.object(RA, "_exchange", local):
-            out = RA.ring_attention(q, k, v)
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                out.backward(dout)
+        out = RA.ring_attention(q, k, v, group=RA.SelfRing(W))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out.backward(dout)
         allocs = sorted((ev.start_time_ns, ev.extra_fields.alloc_size)
                         for ev in walk(prof.profiler.kineto_results.experimental_event_tree())
                         if ev.tag == _EventType.Allocation and ev.extra_fields.device.type == "cpu")

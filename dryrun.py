@@ -60,7 +60,10 @@ def check_launch(cfg):
           f"lr = {cfg['blr']} x {gb} / 256 = {cfg['blr'] * gb / 256:.3g}")
     p = plan.plan(cfg, world, "H200", gpus_per_node=gpn)
     print(f"plan (H200): {p['params'] / 1e6:.1f} M params, {p['tokens']:,} tokens ({p['visible']:,} visible), "
-          f"{p['flops_per_sample'] / 1e12:,.1f} TFLOP per sample, ~{p['samples_per_s']:.2f} samples/s at 40 % of peak")
+          f"{p['flops_per_sample'] / 1e12:,.1f} TFLOP per sample, ~{p['samples_per_s']:.2f} samples/s")
+    print(f"step: ~{p['step_s']:.1f} s, the longer of {p['flop_bound_s_per_step']:.1f} s (every FLOP at "
+          f"{100 * p['mfu']:.0f} % of peak) and {p['attention_s_per_step']:.1f} s of attention at the fused kernel's "
+          f"rates by head dim + {p['other_s_per_step']:.1f} s of the rest at {100 * p['mfu']:.0f} %")
     print(f"memory per GPU ({cfg['strategy']}, {p['ckpt_blocks']} of {p['blocks']} blocks checkpointed): "
           f"{p['mem_per_gpu_gb']:.1f} GB of {p['limit_gb']} GB usable (activations {p['activations_gb']:.1f} GB) -> "
           f"{'fits' if p['fits'] else 'DOES NOT FIT'}")

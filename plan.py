@@ -1,14 +1,16 @@
 """
 The planner: an analytic model of one training step on a GPU cluster, as pure functions of the config (train.py's
 keys). Memory per GPU under each strategy (ZeRO-2, ZeRO-3, FSDP2), activations with and without checkpointing,
-FLOPs, ring traffic, S3 bandwidth, predicted samples/s, the time a stop signal needs.
+the ring's buffers, FLOPs, ring traffic, S3 bandwidth, the step time (attention at the fused kernel's rates, the
+rest at an MFU assumption) and the samples/s it gives, the time a stop signal needs.
 
     python plan.py config/big_context.py [--nodes=16 --gpu=H100 --mfu=0.35 ...]   the plan, JSON last
 
 train.py's dry run (DRY_RUN=1 bash launch.sh ...) prints it too. Its terms are checked against measurements on
-this machine by bench.py (calibrate: FLOPs and activation bytes on small models; memory_check: the weight,
-gradient and optimizer bytes each strategy really allocates on 2 and 4 CPU ranks): `bench.py plan CONFIG` is
-this plan with those checks. This file imports neither train.py nor bench.py (both import it).
+this machine by bench.py (calibrate: FLOPs, activation bytes and the ring's backward memory on small models;
+memory_check: the weight, gradient and optimizer bytes each strategy really allocates on 2 and 4 CPU ranks):
+`bench.py plan CONFIG` is this plan with those checks. This file imports neither train.py nor bench.py (both
+import it).
 """
 
 import json
@@ -167,24 +169,32 @@ def meta_model(cfg):
                                          mask_strata=cfg["mask_strata"] or cfg["cp"])
 
 
-# The fused attention kernel's forward rate by head dim, TFLOP/s on an H100 SXM5 in bf16 (an H200 has the same
-# compute), non-causal, 16k tokens: FlashAttention-2 (what torch's SDPA flash backend and our ring run), as the
-# FlashAttention-3 paper measured it beside its own kernel (Shah et al. 2024, arXiv:2407.08608, Fig. 5): 324 at
-# head dim 64, 370 at 128, 298 at 256. Head dims in between run on the next tile size up (104 on 128's kernel:
-# 104/128 of its FLOPs are ours); 32 is not in the paper: taken as half of 64's rate (the same passes over K and
-# V for half the FLOPs), an assumption until `bench_gpu.py` measures it (it times 32, 64, 104 and 128 at
-# 102,400 tokens: put its numbers here).
-ATTN_TFLOPS = {64: 324, 128: 370, 256: 298}
+# The fused attention kernel's useful rate by head dim, forward + backward (FLOPs 4 N^2 d per head forward and
+# ATTN_BWD x that backward, over the time of both), TFLOP/s on one H200 in bf16, non-causal, 102,400 tokens: the
+# kernel F.scaled_dot_product_attention picks there, which is the one the ring's blocks run (ring_attention.
+# block_kernel): cuDNN's with torch 2.11. Measured by `bash gpu_check.sh` (bench_gpu.py, section
+# attention_rates; the run is docs/gpu_check/h200_run1.jsonl, where FlashAttention-2 measured 225 / 302 / 325
+# and the memory-efficient kernel 64 / 117 / 148 at the same head dims). Head dims in between run on the next
+# tile size up (104 on 128's kernel: 104/128 of its FLOPs are ours; measured at 104: 442, this model gives 462);
+# above 128 (unmeasured) taken as 128's rate. Another GPU or library: run the check and put its numbers here.
+ATTN_TFLOPS = {32: 247, 64: 449, 128: 569}
 ATTN_TILES = (32, 64, 96, 128, 160, 192, 224, 256)
+ATTN_BWD = 2.5  # the fused backward's FLOPs per forward FLOP: it recomputes the scores (5 matmuls against the
+#                 forward's 2); the kernels' rates are quoted on these counts
+
+
+def head_tile(d):
+    """The head dim the fused kernels run at for head dim d: the next multiple of 32 (ATTN_TILES)."""
+    return next(t for t in ATTN_TILES if t >= d)
 
 
 def attention_tflops(d):
-    """Useful attention TFLOP/s of the fused kernel at head dim d (ATTN_TFLOPS, see there)."""
-    tile = next(t for t in ATTN_TILES if t >= d)
+    """Useful attention TFLOP/s (forward + backward) of the fused kernel at head dim d (ATTN_TFLOPS, see there)."""
+    tile = head_tile(d)
     if tile in ATTN_TFLOPS:
         rate = ATTN_TFLOPS[tile]
-    elif tile == 32:
-        rate = ATTN_TFLOPS[64] / 2
+    elif tile > max(ATTN_TFLOPS):
+        rate = ATTN_TFLOPS[max(ATTN_TFLOPS)]
     else:  # between two measured sizes: linear in the tile size
         lo = max(t for t in ATTN_TFLOPS if t < tile)
         hi = min(t for t in ATTN_TFLOPS if t > tile)
@@ -218,10 +228,82 @@ def shapes(m, cp=1):
                          f"{stack} head dim {d} = {C} / {H} is not a multiple of 64")
         if C % 128:
             flags.append(f"{stack} width {C} is not a multiple of 128")
-        fl = 3.5 * 4 * N * N * C * len(blocks)  # fwd + bwd (the backward does 2.5 x the forward's matmuls)
+        fl = (1 + ATTN_BWD) * 4 * N * N * C * len(blocks)  # fwd + bwd, as the kernels execute them
         t_attn += fl / (attention_tflops(d) * 1e12)
         t_attn128 += fl / (attention_tflops(128) * 1e12)
     return rows, flags, t_attn, t_attn128
+
+
+def stacks(m):
+    """(name, blocks, tokens, width) of each non-empty stack of model.MAE m, per sample: the encoder attends over
+    the visible tokens and cls, the decoder over every token."""
+    return [(st, b, N, C) for st, b, N, C in (("enc", m.blocks, m.n_keep() + 1, m.dim),
+                                             ("dec", m.decoder_blocks, m.L, m.dec_dim)) if len(b)]
+
+
+def sample_seconds(m, k, gpu, mfu, train=True):
+    """GPU-seconds of one sample on one GPU of kind `gpu` (a GPUS row): a training pass (forward + backward, the
+    first k blocks of m.ckpt_order() recomputed in backward) or, train=False, an evaluation (forward only). Three
+    terms; the pass takes max(flop, attention + other):
+      flop:      the FLOPs the planner counts (m.flops_per_sample(): backward = 2 x forward; plus the forward of
+                 each recomputed block) at the MFU assumption, mfu x peak;
+      attention: the fused attention kernel at its rate for each stack's head dim (attention_tflops), on the FLOPs
+                 it executes: 4 N^2 C per block forward, ATTN_BWD x that in backward, one forward more per
+                 recomputed block;
+      other:     the FLOPs that are not attention (qkv, proj, MLP, embeddings, head) at the MFU assumption.
+    Where the kernel runs below mfu x peak (every rate in ATTN_TFLOPS does, at 40 % of an H200's peak), the second
+    term binds, the more so the larger attention's share of the FLOPs: at 1.18 M tokens it is ~98 % and the step
+    is twice the FLOP-bound one; at short context the two nearly agree. Where the kernel outruns the MFU assumption
+    by more than its backward's extra FLOPs ((1 + ATTN_BWD) / 3; a low --mfu), the first binds: the MFU assumption
+    then covers what the kernels' rates leave out."""
+    rate = gpu["flops"] * mfu
+    chosen = m.ckpt_order()[:k] if train else []
+    flops = m.flops_per_sample() + sum(m.block_flops(st) for st, _ in chosen) if train else m.flops_per_sample() / 3
+    attn_s = attn_counted = 0.0
+    for stack, blocks, N, C in stacks(m):
+        fwd = 4 * N * N * C  # one block's attention forward: q k^T and p v, 2 N^2 C each
+        n_ckpt = sum(st == stack for st, _ in chosen)
+        if train:
+            attn_counted += (3 * len(blocks) + n_ckpt) * fwd  # as flops_per_sample and the recompute count it
+            attn_s += ((1 + ATTN_BWD) * len(blocks) + n_ckpt) * fwd / (attention_tflops(C // blocks[0].heads) * 1e12)
+        else:
+            attn_counted += len(blocks) * fwd
+            attn_s += len(blocks) * fwd / (attention_tflops(C // blocks[0].heads) * 1e12)
+    return {"flop": flops / rate, "attention": attn_s, "other": (flops - attn_counted) / rate,
+            "time": max(flops / rate, attn_s + (flops - attn_counted) / rate)}
+
+
+def ring_bytes(N, C, d, elem, W, on_gpu=True):
+    """Bytes one rank's ring attention (ring_attention.RingAttention) holds on top of the activations, which
+    count its q, k, v, out and lse: one sample, N tokens on this rank, width C = heads x d, elem bytes per element
+    of the compute dtype (e below), W ranks in the ring. Its peak is in backward, inside the fused backward of the
+    block at a step 1 <= s <= W - 2, when all of these are alive (per token and channel, in bytes):
+      RingAttention.backward:
+        dout made contiguous (it arrives as a transposed view of proj's input gradient)         e
+        dq, the fp32 accumulator                                                               4
+        the K/V block received at the last step, and the next one in flight (none when W = 2)   2e + 2e
+        the dk/dv accumulator sent on at the last step (its name, dkv, still holds it)          2 x 4
+        and the one arriving for this step's block (dkv_in)                                    2 x 4
+        (the last step's dq_b, dk_b, dv_b are dropped once folded in: not held)
+      the fused backward of this step's block (block_bwd):
+        its dq, dk, dv                                                                         3e
+        its contiguous copy of dout: aten's flash backward reads (B, N, H, d) and calls
+          .contiguous() on the ring's (B, H, N, d) (on CPU the kernel does the same)          e
+        on a GPU, FlashAttention-2's fp32 dq accumulator at the head dim rounded up to its tile
+          (104 -> 128: head_tile) and its fp32 softmax_d, one per row; kept as the allowance for
+          whichever kernel runs (cuDNN's on an H200, whose workspace is its own)                (4 tile + 4) / d
+        (on CPU, instead, scratch tiles per thread of a fixed size, not per token: not counted)
+    = 9e + 20 + (4 tile + 4) / d bytes per token and channel, less 2e when W = 2. bf16: 43.0 at head dim 104, 42.1
+    at 32. The forward holds less: the received and the in-flight K/V (4e), the fp32 out accumulator and a block's
+    out with its fp32 cast (e + 8). Measured by bench.calibrate on CPU (fp32 and bf16; W = 2 and 4, one rank's
+    exact computation with the exchange done as a local copy: 2 to 4 real gloo ranks allocate the same) to within
+    the CPU kernel's fixed scratch; the GPU terms are from PyTorch's flash backward source. On the H200 the whole
+    block (its activations and this) peaked below the planner's sum (bench_gpu.py big_blocks)."""
+    e = elem
+    per = e + 4 + 2 * e + (2 * e if W > 2 else 0) + 2 * 4 + 2 * 4 + 3 * e + e
+    if on_gpu:
+        per += (4 * head_tile(d) + 4) / d
+    return per * N * C
 
 
 ACT_MARGIN = 1.15  # the least checkpointing that fits plans for 15 % more activations than modelled (the
@@ -231,8 +313,11 @@ ACT_MARGIN = 1.15  # the least checkpointing that fits plans for 15 % more activ
 def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     """The analytic plan of config `cfg` (train.py's keys) on `world` GPUs of kind `gpu`. mfu: the fraction of
     the GPU's peak FLOP/s sustained on the FLOPs the step executes; those include the forward of every
-    checkpointed block again in backward (so checkpointing costs time, as on the GPU). samples/s counts the
-    model's FLOPs only (flops_per_sample: the usual MFU convention)."""
+    checkpointed block again in backward (so checkpointing costs time, as on the GPU). Attention is priced
+    apart, at the fused kernel's rate for each head dim (sample_seconds): the step takes the longer of the two.
+    Each of a cp group's ranks does 1/cp of each of its samples (the ring splits the queries, and so the
+    attention, evenly), so a step lasts micro_batch x grad_accum samples' GPU-seconds / cp, and samples/s =
+    world / (GPU-seconds per sample)."""
     g = GPUS[gpu]
     cp = cfg["cp"]
     m = meta_model(cfg)
@@ -242,8 +327,9 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     states = {k: state_bytes(n, k, W, elem, cfg) for k in ("zero2", "zero3", "fsdp2")}
     workspace = 3e9  # CUDA context, cuBLAS/flash workspaces, allocator slack
     ring = 0.0
-    if cp > 1:  # the ring holds a second K/V block in flight, and fp32 dk/dv accumulators in backward
-        ring = max(4 * N * C * elem + 2 * 2 * N * C * 4 for N, C in (((m.n_keep() + 1) / cp, m.dim), (m.L / cp, m.dec_dim)))
+    if cp > 1:  # what the ring's backward holds beyond the activations, for the stack where it is largest
+        ring = cfg["micro_batch"] * max(ring_bytes(N / cp, C, C // blocks[0].heads, elem, cp)
+                                        for _, blocks, N, C in stacks(m))
     fps = m.flops_per_sample()
     n_blocks = len(m.ckpt_order())
     strategy = cfg["strategy"]
@@ -251,8 +337,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     def at(k, margin=1.0):  # (memory per GPU by strategy in GB, samples/s) with the first k blocks checkpointed
         act = margin * sum(activation_bytes(m, cfg["micro_batch"], cp, elem, k))  # peak: both at once
         mem_k = {s_: (step_bytes(st, act + ring)["peak"] + workspace) / 1e9 for s_, st in states.items()}
-        recompute = sum(m.block_flops(st) for st, _ in m.ckpt_order()[:k])
-        return mem_k, W * g["flops"] * mfu / (fps + recompute)
+        return mem_k, W / sample_seconds(m, k, g, mfu)["time"]
 
     m.set_grad_ckpt(ckpt_arg(cfg))
     k_cfg = len(m.ckpt)
@@ -265,26 +350,30 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     sps_fit = at(k_fit)[1] if k_fit is not None else 0.0
     sps_full = at(n_blocks)[1]
     # ring traffic per step per rank (all layers, fwd + bwd) and whether compute hides one hop
-    ring_bytes, hidden = 0.0, True
+    ring_traffic, hidden = 0.0, True
     for blocks, N, C in ((m.blocks, (m.n_keep() + 1) / cp, m.dim), (m.decoder_blocks, m.L / cp, m.dec_dim)):
         if cp > 1:
             per_layer = (cp - 1) * (2 * N * C * elem) * 2 + (cp - 1) * (2 * N * C * 4)  # K/V fwd + bwd, dK/dV fp32
-            ring_bytes += len(blocks) * per_layer * cfg["micro_batch"]
+            ring_traffic += len(blocks) * per_layer * cfg["micro_batch"]
             hop_comm = 2 * N * C * elem / g["nvlink"]
-            hop_compute = 4 * N * N * C / (g["flops"] * mfu)
+            hop_compute = 4 * N * N * C / (attention_tflops(C // blocks[0].heads) * 1e12)  # one block's forward
             hidden = hidden and hop_comm <= hop_compute
     voxels = math.prod(cfg["crop"])
     s3_node = sps / max(1, W // gpus_per_node) * voxels * 4  # float32 voxels of every sample, per node
     fits = mem[strategy] <= limit
     shape_rows, shape_flags, t_attn, t_attn128 = shapes(m, cp)
+    # the step: a cp group's micro_batch x grad_accum samples, each spread over its cp ranks
+    per_step = cfg["micro_batch"] * cfg["grad_accum"] / cp
+    t = sample_seconds(m, k_cfg, g, mfu)
+    step_s = per_step * t["time"]
     # what a stop signal costs (checkpoint.StopRequest), so that SLURM's warning before the time limit (launch.sh's
     # srun --signal=USR1@lead) leaves time for it: the step in progress and, on a GPU, one more (the stop flag is
-    # read a step late), an evaluation that may be running (forwards only: a third of a training sample's FLOPs,
-    # ceil(eval_samples / dp) samples per cp group), and the checkpoint write: fp32 master weights and AdamW's m and v
-    # (12 bytes per parameter, partitioned) and the weights in the compute dtype, at out_dir's write bandwidth.
-    step_s = cfg["micro_batch"] * cfg["grad_accum"] * (W // cp) / sps
+    # read a step late), an evaluation that may be running (forwards only, priced as the step is: ceil(eval_samples
+    # / dp) samples per cp group), and the checkpoint write: fp32 master weights and AdamW's m and v (12 bytes per
+    # parameter, partitioned) and the weights in the compute dtype, at out_dir's write bandwidth.
     has_val = bool(cfg["val_paths"]) or cfg["val_frac"] > 0
-    eval_s = math.ceil(cfg["eval_samples"] / (W // cp)) * fps / 3 / (cp * g["flops"] * mfu) if has_val else 0.0
+    eval_s = (math.ceil(cfg["eval_samples"] / (W // cp)) * sample_seconds(m, 0, g, mfu, train=False)["time"] / cp
+              if has_val else 0.0)
     ckpt_bytes = P * (12 + elem)
     ckpt_s = ckpt_bytes / (cfg["ckpt_write_gbps"] * 1e9)
     # x 1.5 for the planner's error, + 60 s: SLURM may send the signal up to a minute early or late (its timer)
@@ -302,10 +391,12 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             "head_dims": {"enc": m.dim // m.blocks[0].heads, "dec": m.dec_dim // m.decoder_blocks[0].heads},
             "shape_flags": shape_flags, "shapes": shape_rows,
             "attention_gpu_s_per_sample": t_attn, "attention_gpu_s_per_sample_at_128": t_attn128,
-            "ring_gb_per_step_per_rank": round(ring_bytes / 1e9, 2), "ring_hidden_by_compute": hidden,
+            "ring_gb_per_step_per_rank": round(ring_traffic / 1e9, 2), "ring_hidden_by_compute": hidden,
             "s3_gb_per_s_per_node": round(s3_node / 1e9, 3), "strategy": strategy, "grad_ckpt": cfg["grad_ckpt"],
             "fits": bool(fits), "limit_gb": round(limit, 1),
-            "step_s": step_s, "eval_s": eval_s, "ckpt_gb": round(ckpt_bytes / 1e9, 2), "ckpt_s": ckpt_s,
+            "step_s": step_s, "flop_bound_s_per_step": per_step * t["flop"],
+            "attention_s_per_step": per_step * t["attention"], "other_s_per_step": per_step * t["other"],
+            "eval_s": eval_s, "ckpt_gb": round(ckpt_bytes / 1e9, 2), "ckpt_s": ckpt_s,
             "stop_lead_s": stop_lead}
 
 
@@ -329,9 +420,13 @@ def report(p, name):
                                                              f"{p['samples_per_s_full_ckpt']:.2f} samples/s"],
              ["ring traffic per step per rank", f"{p['ring_gb_per_step_per_rank']:.1f} GB, "
                                                f"{'hidden' if p['ring_hidden_by_compute'] else 'NOT hidden'} by compute"],
-             [f"predicted samples/s at {100 * p['mfu']:.0f}% of peak", f"{p['samples_per_s']:.2f} (recompute: "
-                                                                   f"{p['recompute_flops_per_sample'] / 1e12:.1f} "
-                                                                   f"TFLOP per sample)"],
+             ["step time (per rank)", f"{p['step_s']:.1f} s = max({p['flop_bound_s_per_step']:.1f} s FLOP-bound, "
+                                      f"{p['attention_s_per_step']:.1f} s attention + "
+                                      f"{p['other_s_per_step']:.1f} s rest)"],
+             ["predicted samples/s", f"{p['samples_per_s']:.2f} (recompute: "
+                                     f"{p['recompute_flops_per_sample'] / 1e12:.1f} TFLOP per sample)"],
+             ["stop lead (SLURM's warning)", f"{p['stop_lead_s']} s: 60 + 1.5 x (2 steps + an evaluation of "
+                                             f"{p['eval_s']:.1f} s + the checkpoint write of {p['ckpt_s']:.1f} s)"],
              ["S3 read per node at that rate", f"{p['s3_gb_per_s_per_node']:.2f} GB/s (float32, uncompressed)"],
              ["fits", f"{'yes' if p['fits'] else 'NO'}: {p['mem_per_gpu_gb']:.1f} GB of {p['limit_gb']} GB usable"]]
     table(rows, ["quantity", "value"])

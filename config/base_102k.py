@@ -6,26 +6,26 @@
 # model:    ViT-L encoder (1024 wide, 24 deep, 16 heads) = 306.5 M params; decoder 512 x 8 -> 334.4 M total
 # FLOPs:    per sample, forward: encoder 24 x (24 N D^2 + 4 N^2 D), N = 25,601, D = 1024  =  80 TFLOP
 #                                decoder  8 x (24 L d^2 + 4 L^2 d),  L = 102,400, d = 512  = 177 TFLOP
-#           (attention is 90 % of it: 4 N^2 D dominates at this length); x3 for backward = 772 TFLOP
-#           -> about 2 s per sample per H200 at 40 % MFU of 989 TFLOP/s
+#           (attention is 90 % of it: 4 N^2 D dominates at this length); x3 for backward = 772 TFLOP; the
+#           fused kernel runs that attention below 40 % of peak (heads of 32 in the decoder most of all), so it
+#           sets the step time: run `python plan.py config/base_102k.py`
 # sample:   640 x 640 x 1024 x 4 B = 1.56 GiB of float32 read per sample (200 chunks of 128^3 when aligned)
 out_dir = "out/base_102k"
 data_paths = ["data/survey.mdio"]  # point at your MDIO v1 stores (local paths here; s3:// in a later issue)
 crop = (640, 640, 1024)
 patch = (16, 16, 16)
-model_size = "large"  # decoder heads of 32: 4.4 GPU-s of attention per sample at the planner's documented kernel
-#                       rates; "large_h64" (8 decoder heads of 64, same parameters) 2.6. Kept until measured
+model_size = "large"  # decoder heads of 32, which an H200 runs at about half of 64's rate (plan.ATTN_TFLOPS);
+#                       "large_h64" (8 decoder heads of 64, same parameters): compare with python plan.py
+#                       config/base_102k.py --model_size=large_h64
 mask_ratio = 0.75
 norm_pix_loss = True
-grad_ckpt = False  # the planner: no checkpointing needed here (below); every block would cost 25 % of the speed
+grad_ckpt = False  # the planner: no checkpointing needed here (below); every block would cost its forward again
 
 # per GPU 1 sample; global batch = 1 x world (128 on 16 x 8 GPUs); lr = 1.5e-4 x 128 / 256 = 7.5e-5
-# planner (python plan.py config/base_102k.py; 40 % of peak on the FLOPs executed, recompute included):
-#   no checkpointing: 45.1 GB of activations, 52.8 GB per GPU with ZeRO-2, 65.5 samples/s, 6.9 GB/s per node
-#   from S3 (float32); every block checkpointed: 13.2 GB of activations, 21 GB per GPU, 49.2 samples/s (each
-#   block's forward again in backward: +33 % FLOPs). Its least checkpointing that fits with a 15 % margin on
-#   the activations is 0 blocks. Not yet measured on a GPU: if it runs out of memory, grad_ckpt = True and
-#   ckpt_blocks = a few (model.ckpt_order: encoder blocks first).
+# planner: memory per GPU with and without checkpointing, samples/s and S3 GB/s per node: run `python plan.py
+#   config/base_102k.py`. Its least checkpointing that fits with a 15 % margin on the activations is 0 blocks.
+#   Not yet measured on a GPU: if it runs out of memory, grad_ckpt = True and ckpt_blocks = a few
+#   (model.ckpt_order: encoder blocks first).
 micro_batch = 1
 grad_accum = 1
 blr = 1.5e-4

@@ -1,8 +1,8 @@
 # The headline run: one sample = 1536 x 1536 x 2048 voxels, split over the 8 H200s of a node by ring
 # attention; 16 P5 nodes. Launch: bash launch.sh config/big_context.py (DRY_RUN=1 first: it prints what each
-# node will run and the planner's memory per GPU). Numbers below are from `python plan.py
+# node will run and the planner's memory per GPU). Its memory, step time and samples/s: run `python plan.py
 # config/big_context.py` (the planner; `python bench.py plan config/big_context.py` prints it with the checks
-# of its FLOP, activation and per-strategy memory terms against measurements).
+# of its FLOP, activation, ring and per-strategy memory terms against measurements).
 #
 # tokens:   (1536/16) x (1536/16) x (2048/16) = 96 x 96 x 128 = 1,179,648 tokens of 16^3 voxels
 # visible:  mask 0.75 -> int(1,179,648 x 0.25) + 1 = 294,913 -> rounded so that visible + cls divides by 8:
@@ -11,33 +11,31 @@
 #           inline planes: 192 x 1536 x 2048 x 4 B = 2.4 GB of float32 per rank (19.3 GB the whole sample)
 # cluster:  16 nodes x 8 GPUs = 128 ranks = dp 16 x cp 8 (a CP group is one node: the ring stays on NVLink)
 # model:    ViT-G encoder (1664 wide, 48 deep, 16 heads of 104) = 1.63 B params with the 512 x 8 decoder
-# memory:   per GPU, bf16: 134 GB of activations without checkpointing (would not fit), 23 GB with every block
-#           checkpointed (36.5 GB per GPU in all, 0.25 samples/s: each block's forward again in backward).
-#           The planner's least checkpointing that fits with a 15 % margin on the activations: 18 blocks (the
-#           encoder's first 18: they free the most memory per recomputed FLOP, model.ckpt_order), 101 GB of
-#           activations, 114 GB per GPU, 0.31 samples/s (+25 %). Not yet measured on a GPU; the breakdown
-#           below is for every block checkpointed:
-#           + 8.5 GB ZeRO-2 state: bf16 weights 2 B x 1.63 B = 3.3 GB (replicated), fp32 master + Adam
-#             12 B x 1.63 B / 128 = 0.15 GB, fp32 gradient share 4 B x 1.63 B / 128 = 0.05 GB, 2 reduce buckets
-#             x 5e8 x 2 B = 2 GB, and while a bucket is reduced its flat copy and fp32 cast 5e8 x (2 + 4) B =
-#             3 GB (gradients are reduced and kept in fp32)
-#           + ring buffers + 3 GB workspace = ~36.5 GB of 141 GB
-#           Time binds: 155 PFLOP per sample (attention over 1.18 M tokens), so at 40 % of peak the 128 GPUs
-#           make ~0.31 samples/s with 18 blocks recomputed (~52 s per step of 16 samples). G is the largest of
-#           model.py's sizes; the planner says that larger ones would fit too, and be slower still.
-# data:     0.31 samples/s x 19.3 GB / 16 nodes = ~0.37 GB/s per node from S3 (float32, uncompressed)
+# memory:   per GPU, bf16: the activations without checkpointing would not fit; with every block checkpointed
+#           they shrink to each block's input, at the price of each block's forward again in backward. ckpt_blocks
+#           below is the planner's least checkpointing that fits with a 15 % margin on the activations (the
+#           encoder's first blocks: they free the most memory per recomputed FLOP, model.ckpt_order). Besides the
+#           activations: the ZeRO-2 state (bf16 weights replicated; fp32 master, Adam and the fp32 gradient share
+#           partitioned over 128; 2 reduce buckets of zero_bucket elements and, while one is reduced, its flat
+#           copy and fp32 cast), the ring's buffers (plan.ring_bytes) and 3 GB of workspace. Not yet measured
+#           on a GPU.
+# time:     155 PFLOP per sample, ~98 % of it attention over 1.18 M tokens, which the fused kernel runs at its
+#           rates for heads of 104 and 32 (plan.ATTN_TFLOPS, measured on an H200; the decoder's heads of 32 far
+#           below 40 % of peak): attention sets the step time (the planner's step_s and attention_s_per_step). G is the largest of model.py's sizes; the planner says that larger ones
+#           would fit too, and be slower still.
+# data:     samples/s x 19.3 GB / 16 nodes from S3 per node (float32, uncompressed; the planner prints it)
 out_dir = "out/big_context"
 data_paths = ["s3://your-bucket/survey.mdio"]  # MDIO stores, >= 1536 x 1536 x 2048 each
 crop = (1536, 1536, 2048)
 patch = (16, 16, 16)
-model_size = "G"  # shapes (python plan.py config/big_context.py): heads of 104 (encoder) and 32 (decoder) run
-#                   the fused attention at ~301 and ~162 TFLOP/s by the planner's documented rates, 816 GPU-s of
-#                   attention per sample; "G_h128" (same widths and parameters, 13 and 4 heads of 128) ~479. Kept
-#                   until bench_gpu.py measures the kernels (a new function: no resume across the change)
+model_size = "G"  # heads of 104 (encoder) and 32 (decoder) run the fused attention below 128's rate on an H200
+#                   (plan.ATTN_TFLOPS; the shapes and GPU-s of attention per sample: python plan.py
+#                   config/big_context.py); "G_h128" (same widths and parameters, 13 and 4 heads of 128) runs at
+#                   128's. Kept as the published ViT-G for now: a switch is a new function (no resume across it)
 mask_ratio = 0.75
 norm_pix_loss = True
 grad_ckpt = True
-ckpt_blocks = 18  # of 56: the least that fits (above)
+ckpt_blocks = 19  # of 56: the least that fits (above)
 dtype = "bfloat16"
 strategy = "zero2"  # the published comparison: zero2 1,974 > fsdp2 1,833 > zero3 869 samples/s (smaller crops)
 cp = 8

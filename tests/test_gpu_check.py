@@ -1,0 +1,45 @@
+"""The GPU check's one-shot runner on CPU (bench_gpu.py --cpu-smoke): every section's code path, each in its own
+process as on a GPU machine, so that nothing fails there for a reason a CPU can show. And the runner's own
+promises: a clean environment for each section, a line per section even when one runs past its limit."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, job_env
+
+import bench_gpu
+
+
+def _run(out, *args, **env):
+    e = job_env(**env)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench_gpu.py"), "--cpu-smoke", f"--out={out}", *args],
+                          cwd=ROOT, env=e, capture_output=True, text=True, timeout=1800)
+
+
+def test_every_section_passes_on_cpu(tmp_path):
+    # launcher variables in the parent's environment must not reach the sections (they start process groups and
+    # train.py runs of their own: an inherited MASTER_PORT was EADDRINUSE)
+    r = _run(tmp_path, MASTER_PORT="1", RANK="3", WORLD_SIZE="7", LOCAL_RANK="3")
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 0 and summary["ok"], (summary.get("status"), r.stdout[-4000:], r.stderr[-4000:])
+    names = [n for n, _ in bench_gpu.SECTIONS]
+    lines = [json.loads(x) for x in open(tmp_path / "gpu_check.jsonl")]
+    assert [x["section"] for x in lines] == names and all(x["ok"] for x in lines)
+    assert summary["status"] == {n: "ok" for n in names}
+    assert json.load(open(tmp_path / "gpu_check_summary.json"))["ok"]
+    by = {x["section"]: x for x in lines}
+    assert by["self_ring"]["vias"] == ["copy"] and by["self_p2p"]["supported"] is False  # gloo: no send to self
+    assert by["big_blocks"]["encoder"]["head_dim"] == 104 and by["big_blocks"]["decoder"]["head_dim"] == 32
+
+
+def test_a_section_past_its_limit_costs_only_itself(tmp_path):
+    # a section that runs past its limit is killed (its whole process group: the torchrun runs it started too) and
+    # gets its line from the runner; the sections after it still run
+    r = _run(tmp_path, "--only=env,memory,ops", "--limit_s=8")
+    lines = {x["section"]: x for x in map(json.loads, open(tmp_path / "gpu_check.jsonl"))}
+    assert r.returncode == 1 and json.loads(r.stdout.strip().splitlines()[-1])["status"]["memory"] == "FAIL"
+    assert not lines["memory"]["ok"] and "timed out after 8 s" in lines["memory"]["error"]
+    left = subprocess.run(["pgrep", "-f", "bench.py _memory_worker"], capture_output=True, text=True).stdout
+    assert not left, f"the killed section's ranks outlived it: {left}"
+    assert lines["env"]["ok"] and lines["ops"]["ok"]
