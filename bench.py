@@ -147,7 +147,7 @@ def _time_steps(cfg, argv, warmup, steps, quiet=False):
 
 # -----------------------------------------------------------------------------
 # attention: the same total sequence as full SDPA in one process, as our ring on P processes, and as
-# PyTorch's context_parallel on P processes; the same total threads (P threads for SDPA, 1 per rank).
+# PyTorch's own ring (cp_impl='torch') on P processes; the same total threads (P threads for SDPA, 1 per rank).
 
 
 def _rss_bytes():

@@ -2,18 +2,19 @@
 The GPU check: one call on a GPU machine (gpu_check.sh runs it there), built so that no failure wastes it.
 
     python bench_gpu.py [--out=DIR] [--budget_s=480] [--only=ops,self_ring] [--limit_s=S]   on the GPU
-    python bench_gpu.py --cpu-smoke [--out=DIR]                               the same code paths on CPU
+    python bench_gpu.py --cpu-smoke [--out=DIR]                       the same code paths on CPU
 
 Each section runs in a process of its own, with a clean environment (no MASTER_PORT, RANK, WORLD_SIZE or
 LOCAL_RANK inherited: a section that starts a process group, or train.py, picks its own port) and its own
-timeout (SECTIONS, capped by what is left of --budget_s and by --limit_s), and appends its JSON line (its numbers and "ok", its pass/fail against a stated threshold) to
-DIR/gpu_check.jsonl the moment it ends: a crash, a hang or the call's time limit loses that section only.
-Sections run most decisive first, each given what is left of --budget_s:
+timeout (SECTIONS, capped by what is left of --budget_s and by --limit_s), and appends its JSON line (its
+numbers and "ok", its pass/fail against a stated threshold) to DIR/gpu_check.jsonl the moment it ends: a crash,
+a hang or the call's time limit loses that section only. Sections run most decisive first:
 
   env              devices, versions, the project's imports (the wheels gpu_check.sh installed)
   nccl             an NCCL all-reduce and broadcast on this GPU
   self_p2p         batch_isend_irecv to this rank itself: can the ring's real exchange run on one GPU?
-  ops              the ring's block ops (flash bf16, memory-efficient fp32) against fp64 SDPA, head dims 32..128
+  ops              the ring's block ops (bf16: the kernel SDPA picks, and flash pinned; fp32: memory-efficient)
+                   against fp64 SDPA, head dims 32..128
   self_ring        the real RingAttention, W ranks simulated on this one (ring_attention.SelfRing), forward and
                    backward against SDPA: the exchange through NCCL to itself where it runs, else side-stream copies
   torch_cp         cp_impl='torch' (PyTorch's ring functions with this GPU's flash / efficient / cuDNN ops) and
@@ -301,7 +302,8 @@ def sec_torch_cp(smoke, dev, out_dir):
                 except RuntimeError as e:  # this backend does not take these inputs: not a defect of ours
                     rows.append([str(dtype)[6:], d, name, "-", f"unavailable: {str(e).splitlines()[0][:60]}"])
                     continue
-                err = max(rel_err(a, c) for a, c in zip((out.detach(), *(t.grad for t in x)), (o, *(t.grad for t in ref))))
+                err = max(rel_err(a, c) for a, c in zip((out.detach(), *(t.grad for t in x)),
+                                                          (o, *(t.grad for t in ref))))
                 rows.append([str(dtype)[6:], d, name, f"{err:.2e}", "ok" if err <= tol else "FAIL"])
             RA.verify_torch_cp(dist.group.WORLD, dev, dtype, d)  # raises CPMismatchError
     table(rows, ["dtype", "head dim", "backend", "max rel err", "tol 5e-5 / 2e-2"])
@@ -379,12 +381,13 @@ def sec_big_blocks(smoke, dev, out_dir):
         ok = err <= tol and (smoke or (0.75 <= planned / t <= 1.33 and peak <= plan_mem))
         res[name] = {"kernel": kernel, "tokens_per_rank": n, "width": C, "head_dim": d, "ms": round(1000 * t, 1),
                      "planned_ms": round(1000 * planned, 1), "peak_gib": round(peak / 2 ** 30, 3),
-                     "planned_peak_gib": round(plan_mem / 2 ** 30, 3), "attention_tflops": round(attn_flops / t / 1e12, 1),
+                     "planned_peak_gib": round(plan_mem / 2 ** 30, 3),
+                     "attention_tflops": round(attn_flops / t / 1e12, 1),
                      "rel_err_vs_sdpa": err, "ok": ok}
-        rows.append([name, kernel, f"{n:,}", C, d, f"{1000 * t:.1f}", f"{1000 * planned:.1f}", f"{attn_flops / t / 1e12:.0f}",
+        rows.append([name, kernel, f"{n:,}", C, d, f"{1000 * t:.1f}", f"{1000 * planned:.1f}",
+                     f"{attn_flops / t / 1e12:.0f}",
                      f"{P.attention_tflops(d):.0f}", f"{peak / 2 ** 30:.2f}", f"{plan_mem / 2 ** 30:.2f}", f"{err:.1e}",
                      "ok" if ok else "FAIL"])
-        del blk, x, dout
     print(f"one block at big_context's per-rank shapes, {str(dtype)[6:]}, self-ring W={W} ({via})")
     table(rows, ["block", "kernel", "tokens/rank", "width", "head dim", "fwd+bwd ms", "plan.py ms", "attn TFLOP/s",
                  "plan.py attn TFLOP/s", "peak GiB", "plan.py GiB (bound)", "err vs SDPA", "ok"])
@@ -417,7 +420,6 @@ def attention_rates(device, N=102_400, head_dims=(32, 64, 104, 128), width=1024,
                 continue
             flops = 4 * N * N * H * d
             out[name][d] = (flops / tf / 1e12, 3.5 * flops / tfb / 1e12)
-            del q, k, v, dout, qg, kg, vg
     return out
 
 
@@ -437,8 +439,8 @@ def sec_attention_rates(smoke, dev, out_dir):
     for d in (32, 64, 104, 128):
         got = {b: r[d] for b, r in rates.items()}
         ratio[d] = (got["default"] or (0, 0))[1] / P.attention_tflops(d)
-        rows.append([d, *(f"{x[0]:.0f} / {x[1]:.0f}" if x else "-" for x in got.values()), f"{P.attention_tflops(d):.0f}",
-                     f"{ratio[d]:.2f}"])
+        rows.append([d, *(f"{x[0]:.0f} / {x[1]:.0f}" if x else "-" for x in got.values()),
+                     f"{P.attention_tflops(d):.0f}", f"{ratio[d]:.2f}"])
     print("SDPA at N = 102,400 tokens, bf16, about 1024 / d heads of d: fwd / fwd+bwd TFLOP/s by pinned backend"
           if not smoke else "SDPA (smoke: N = 256, fp32)")
     table(rows, ["head dim", *rates, "plan.py assumes (fwd+bwd)", "default / assumed"])
@@ -507,7 +509,8 @@ def sec_bf16_strategies(smoke, dev, out_dir, steps=None):
            for n in ("zero2", "fsdp2")}
     same = ids["zero2"] == ids["fsdp2"] and len(ids["zero2"]) == steps
     mean = rel_deviation(losses["zero2"], losses["fsdp2"])[0]
-    print(f"bf16, {steps} quickstart steps: zero2 and fsdp2 same masks: {same}, mean relative loss difference {mean:.2e}")
+    print(f"bf16, {steps} quickstart steps: zero2 and fsdp2 same masks: {same}, mean relative loss difference "
+          f"{mean:.2e}")
     return {"same_masks": same, "mean_rel_diff": mean, "ok": same and mean <= 2e-2}
 
 

@@ -174,7 +174,7 @@ def gather_tokens(x, ids):
 def attention(q, k, v, cp=None):
     """The one attention call of the model. q, k, v: (B, H, N, Dh) -> (B, H, N, Dh), non-causal.
     cp = None: all N tokens are here, plain fused SDPA. cp = (group, impl): these are this rank's N of the
-    sequence split over `group`; impl 'ring' is our ring_attention, 'torch' PyTorch's context_parallel."""
+    sequence split over `group`; impl 'ring' is our ring_attention, 'torch' PyTorch's own ring (torch_cp_attention)."""
     if cp is None:
         return F.scaled_dot_product_attention(q, k, v)
     group, impl = cp
