@@ -346,46 +346,37 @@ def _torch_ring():
 
 
 def _torch_op(q, k, v, scale):
-    """The attention op PyTorch's SDPA would pick for these inputs (torch.nn.attention.sdpa_kernel is honoured),
-    as (forward op, backward op, name of its gradient argument, forward kwargs, names of the forward's extra
-    outputs that the backward takes). These are the ops and arguments of PyTorch's own ring handlers."""
+    """The attention op for PyTorch's ring: the kernel our ring's blocks run (block_kernel: the one SDPA would
+    pick), as (forward op, backward op, name of its gradient argument, forward kwargs, names of the forward's
+    extra outputs that the backward takes): the ops and arguments of PyTorch's own ring handlers."""
     aten = torch.ops.aten
     base = dict(dropout_p=DROPOUT, scale=scale)
-    if q.device.type == "cpu":
+    kernel = block_kernel(q, k, v, scale)
+    if kernel == "cpu":
         return (aten._scaled_dot_product_flash_attention_for_cpu.default,
                 aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "grad_out", base, ())
-    choice = torch._fused_sdp_choice(q, k, v, None, DROPOUT, False, scale=scale)
-    from torch.nn.attention import SDPBackend
-    if choice == SDPBackend.FLASH_ATTENTION.value:
+    if kernel == "flash":
         return (aten._scaled_dot_product_flash_attention.default,
                 aten._scaled_dot_product_flash_attention_backward.default, "grad_out", base,
                 ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"))
-    if choice == SDPBackend.EFFICIENT_ATTENTION.value:
-        return (_efficient_fwd, _efficient_bwd, "grad_out_",
-                dict(base, attn_bias=None, compute_log_sumexp=True), ("philox_seed", "philox_offset"))
-    if choice == SDPBackend.CUDNN_ATTENTION.value:
+    if kernel == "cudnn":
         return (aten._scaled_dot_product_cudnn_attention.default,
                 aten._scaled_dot_product_cudnn_attention_backward.default, "grad_out",
                 dict(base, attn_bias=None, compute_log_sumexp=True),
                 ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"))
-    raise RuntimeError(f"cp_impl='torch': no fused attention kernel takes these inputs (SDPA picks backend "
-                       f"{choice}; head dim {q.shape[-1]}, {q.dtype}); use cp_impl='ring'")
+    return _efficient_fwd, _efficient_bwd, "grad_out", base, ("philox_seed", "philox_offset")
 
 
-def _efficient_fwd(query, key, value, is_causal=False, **kw):
-    """The memory-efficient op with its log-sum-exp cut to the sequence: the kernel pads it along N to a multiple
-    of 32, and PyTorch's merge (which adds it to the output's rows) needs one value per row."""
-    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, is_causal=is_causal, **kw)
-    return out, lse[:, :, : query.shape[2]].contiguous(), seed, offset
+def _efficient_fwd(query, key, value, is_causal=False, dropout_p=DROPOUT, scale=None):
+    """The memory-efficient op as our block_fwd runs it (its log-sum-exp cut from the kernel's padding to one value
+    per row, which PyTorch's merge needs), in the form PyTorch's ring calls: (out, lse, *extras)."""
+    out, lse, (_, seed, offset) = block_fwd(query, key, value, scale)
+    return out, lse, seed, offset
 
 
-def _efficient_bwd(grad_out_, query, key, value, out, logsumexp, is_causal=False, **kw):
-    pad = (-logsumexp.shape[2]) % 32  # back to the kernel's padded layout (+inf: padded rows weigh nothing)
-    lse = F.pad(logsumexp, (0, pad), value=float("inf")) if pad else logsumexp
-    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad_out_, query, key, value, kw.pop("attn_bias"), out, lse, kw.pop("philox_seed"), kw.pop("philox_offset"),
-        kw.pop("dropout_p"), [True, True, True, False], is_causal, **kw)
+def _efficient_bwd(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, is_causal=False,
+                   dropout_p=DROPOUT, scale=None):
+    return block_bwd(grad_out, query, key, value, out, logsumexp, scale, ("efficient", philox_seed, philox_offset))
 
 
 class _TorchOptions:
