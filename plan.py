@@ -7,7 +7,7 @@ rest at an MFU assumption) and the samples/s it gives, the time a stop signal ne
     python plan.py config/big_context.py [--nodes=16 --gpu=H100 --mfu=0.35 ...]   the plan, JSON last
 
 train.py's dry run (DRY_RUN=1 bash launch.sh ...) prints it too. Its terms are checked against measurements on
-this machine by bench.py (calibrate: FLOPs, activation bytes and the ring's backward memory on small models;
+this machine by bench_plan.py (calibrate: FLOPs, activation bytes and the ring's backward memory on small models;
 memory_check: the weight, gradient and optimizer bytes each strategy really allocates on 2 and 4 CPU ranks):
 `bench.py plan CONFIG` is this plan with those checks. This file imports neither train.py nor bench.py (both
 import it).
@@ -295,7 +295,7 @@ def ring_bytes(N, C, d, elem, W, on_gpu=True):
         (on CPU, instead, scratch tiles per thread of a fixed size, not per token: not counted)
     = 9e + 20 + (4 tile + 4) / d bytes per token and channel, less 2e when W = 2. bf16: 43.0 at head dim 104, 42.1
     at 32. The forward holds less: the received and the in-flight K/V (4e), the fp32 out accumulator and a block's
-    out with its fp32 cast (e + 8). Measured by bench.calibrate on CPU (fp32 and bf16; W = 2 and 4, one rank's
+    out with its fp32 cast (e + 8). Measured by bench_plan.calibrate on CPU (fp32 and bf16; W = 2 and 4, one rank's
     exact computation with the exchange done as a local copy: 2 to 4 real gloo ranks allocate the same) to within
     the CPU kernel's fixed scratch; the GPU terms are from PyTorch's flash backward source. On the H200 the whole
     block (its activations and this) peaked below the planner's sum (bench_gpu.py big_blocks)."""
@@ -307,7 +307,7 @@ def ring_bytes(N, C, d, elem, W, on_gpu=True):
 
 
 ACT_MARGIN = 1.15  # the least checkpointing that fits plans for 15 % more activations than modelled (the
-#                    activation model's largest error measured here, bench.py calibrate: 14 %)
+#                    activation model's largest error measured here, bench_plan.py calibrate: 14 %)
 
 
 def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):

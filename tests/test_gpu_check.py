@@ -40,6 +40,6 @@ def test_a_section_past_its_limit_costs_only_itself(tmp_path):
     lines = {x["section"]: x for x in map(json.loads, open(tmp_path / "gpu_check.jsonl"))}
     assert r.returncode == 1 and json.loads(r.stdout.strip().splitlines()[-1])["status"]["memory"] == "FAIL"
     assert not lines["memory"]["ok"] and "timed out after 8 s" in lines["memory"]["error"]
-    left = subprocess.run(["pgrep", "-f", "bench.py _memory_worker"], capture_output=True, text=True).stdout
+    left = subprocess.run(["pgrep", "-f", "bench_plan.py _memory_worker"], capture_output=True, text=True).stdout
     assert not left, f"the killed section's ranks outlived it: {left}"
     assert lines["env"]["ok"] and lines["ops"]["ok"]

@@ -1,11 +1,11 @@
 """The planner (plan.py; `bench.py plan` is it with these checks) against measurements on this machine: its FLOPs,
 activation bytes and the ring's backward memory on small models, and its weight/gradient/optimizer memory per
 strategy against what DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 really allocate on 2 CPU ranks (every CPU tensor
-allocation counted, see bench._memory_worker). Its step time: attention priced at the kernels' rates. And the
+allocation counted, see bench_plan._memory_worker). Its step time: attention priced at the kernels' rates. And the
 import graph that keeps the planner out of a circle."""
 import math
 
-import bench
+import bench_plan
 import configurator
 import plan
 from conftest import ROOT
@@ -18,7 +18,7 @@ def config(name, *over):
 
 
 def test_flops_activations_and_ring_memory_within_25_percent():
-    rows, worst = bench.calibrate()
+    rows, worst = bench_plan.calibrate()
     assert len(rows) == 15 + 3  # 3 configs x (FLOPs without and with half the blocks checkpointed, activations
     #                             with none, half and every block checkpointed); the ring's backward (fp32 on 2
     #                             and 4 ranks, bf16 on 4)
@@ -84,8 +84,8 @@ def test_state_memory_per_strategy_within_25_percent():
     # fp32 on 2 ranks, the `small` model (24.6 M parameters): the three strategies hold very different state
     # (ZeRO-2 replicates the weights, ZeRO-3 and FSDP2 shard them); then bf16 with 16e6-element buckets, where
     # DeepSpeed's buckets (fp32 for ZeRO-3, the compute dtype for ZeRO-2) are the largest terms
-    cases = [c for c in bench.MEMORY_CASES if c[0] in ("fp32", "bf16, zero_bucket 16e6")]
-    rows, worst = bench.memory_check(cases)
+    cases = [c for c in bench_plan.MEMORY_CASES if c[0] in ("fp32", "bf16, zero_bucket 16e6")]
+    rows, worst = bench_plan.memory_check(cases)
     assert len(rows) == (3 + 2) * 4
     got = {(r["case"], r["strategy"], r["term"]): r for r in rows}
     between = {s: got[("fp32", s, "state between steps")]["measured"] for s in ("zero2", "zero3", "fsdp2")}
@@ -162,7 +162,7 @@ def test_shapes_flag_head_dims_and_the_aligned_sizes_clear_them():
     timing by head dim runs on CPU."""
     import torch
 
-    import bench_gpu
+    import bench_gpu_attention
     import configurator
     import plan
     r = plan.ATTN_TFLOPS
@@ -181,5 +181,5 @@ def test_shapes_flag_head_dims_and_the_aligned_sizes_clear_them():
     large, aligned = (plan.plan({**cfg, "model_size": m, "cp": 1, "crop": (640, 640, 1024)}, 128)
                       for m in ("large", "large_h64"))
     assert large["head_dims"] == {"enc": 64, "dec": 32} and aligned["head_dims"] == {"enc": 64, "dec": 64}
-    rates = bench_gpu.attention_rates(torch.device("cpu"), N=256, dtype=torch.float32, reps=1)["default"]
+    rates = bench_gpu_attention.attention_rates(torch.device("cpu"), N=256, dtype=torch.float32, reps=1)["default"]
     assert sorted(rates) == [32, 64, 104, 128] and all(f > 0 and fb > 0 for f, fb in rates.values())

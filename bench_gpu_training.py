@@ -1,0 +1,222 @@
+"""
+The GPU check's sections on the training path (bench_gpu.py runs each in its own process): bf16_step, memory,
+bf16_strategies, batch_copy, compile, stop_signal, embed, elastic: train.py, embed.py and the strategies on this
+device, against the CPU or each other. Each sec_NAME(smoke, dev, out_dir) returns a dict with "ok" and what it
+measured.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+from bench_gpu_attention import HERE, _sync, _timed
+from plan import table
+
+
+def sec_bf16_step(smoke, dev, out_dir):
+    """The whole training path on this device (NCCL, bf16, DeepSpeed ZeRO-2): quickstart steps. Pass: every loss
+    finite and the mean of the last third below the first step's."""
+    import configurator
+    import train
+    steps, warmup = (6, 2) if smoke else (30, 5)
+    cfg = configurator.defaults()
+    configurator.apply(cfg, [os.path.join(HERE, "config/quickstart.py"), "--dtype=bfloat16", "--strategy=zero2",
+                             f"--out_dir={out_dir}/bf16_step", f"--data_paths=['{out_dir}/bf16_step/qs.mdio']"])
+    train.validate(cfg)
+    job = train.setup(cfg)
+    batches = train.micro_batches(job, 0, steps)
+    losses = []
+    try:
+        for s in range(steps):
+            if s == warmup:
+                _sync(job.device)
+                t = time.perf_counter()
+            losses.append(train.train_step(job, s, batches)[0])
+        _sync(job.device)
+        ms = 1000 * (time.perf_counter() - t) / (steps - warmup)
+    finally:
+        batches.close()
+        job.sampler.close()
+    losses = [x.item() for x in losses]
+    tail = losses[-max(1, steps // 3):]
+    ok = all(np.isfinite(losses)) and sum(tail) / len(tail) < losses[0]
+    print(f"{steps} quickstart steps, bf16 zero2 on {job.device}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+          f"{ms:.1f} ms/step")
+    return {"losses": [round(x, 5) for x in losses], "ms_per_step": round(ms, 2), "ok": ok}
+
+
+def sec_memory(smoke, dev, out_dir):
+    """The planner's weight/gradient/optimizer terms against the allocator (torch.cuda's counters on the GPU): 1
+    rank, bf16, zero2 / zero3 / fsdp2. Pass: every term within 25 % (the CPU tests' tolerance)."""
+    from bench_plan import GPU_MEMORY_CASES, memory_check, memory_table
+    cases = GPU_MEMORY_CASES if not smoke else [(c[0], c[1], c[2][:1], c[3]) for c in GPU_MEMORY_CASES]  # (zero2)
+    rows, worst = memory_check(cases, device=dev.type)
+    memory_table(rows)
+    return {"worst_rel_err": round(worst, 4), "rows": rows, "ok": bool(worst <= 0.25)}
+
+
+def sec_bf16_strategies(smoke, dev, out_dir, steps=None):
+    """zero2 and fsdp2 in bf16 on one device: the same kept-token ids at every step (what reached the model, as
+    tests/train_hooks.py records it), losses within 2 % on average (on 2 CPU ranks they agree within 2.4e-5)."""
+    from bench import dtype_runs, rel_deviation
+    steps = steps or (4 if smoke else 20)
+    d = os.path.join(out_dir, "bf16_strategies")
+
+    def env_for(name):
+        os.makedirs(os.path.join(d, "probe_" + name))
+        return dict(os.environ, MAE_PROBE=os.path.join(d, "probe_" + name))
+    losses = dtype_runs([os.path.join(HERE, "config/quickstart.py"), f"--data_paths=['{d}/qs.mdio']",
+                         "--make_synthetic=True"], d, steps, script="tests/train_hooks.py", env_for=env_for,
+                        names=("zero2", "fsdp2"), nproc=1)
+    ids = {n: [json.loads(x)["ids_keep"] for x in open(os.path.join(d, "probe_" + n, "rank0.jsonl"))]
+           for n in ("zero2", "fsdp2")}
+    same = ids["zero2"] == ids["fsdp2"] and len(ids["zero2"]) == steps
+    mean = rel_deviation(losses["zero2"], losses["fsdp2"])[0]
+    print(f"bf16, {steps} quickstart steps: zero2 and fsdp2 same masks: {same}, mean relative loss difference "
+          f"{mean:.2e}")
+    return {"same_masks": same, "mean_rel_diff": mean, "ok": same and mean <= 2e-2}
+
+
+def sec_batch_copy(smoke, dev, out_dir):
+    """One base_102k sample to the device the way train.py copies it (pinned bf16, non_blocking) against a pageable
+    fp32 cast on the way: the training thread's time and the copy's time on the stream. Pass (GPU): the pinned
+    copy frees the training thread (its host time is below the pageable one's)."""
+    shape = (1, 1, 64, 64, 64) if smoke else (1, 1, 640, 640, 1024)
+    pin = dev.type == "cuda"
+    src = torch.empty(shape, dtype=torch.bfloat16, pin_memory=pin).normal_()
+    pageable = torch.randn(shape)
+    res = {}
+    for name, fn in (("pinned bf16, non_blocking", lambda: src.to(dev, non_blocking=True)),
+                     ("pageable fp32 -> bf16", lambda: pageable.to(dev, torch.bfloat16))):
+        fn()
+        _sync(dev)
+        t = time.perf_counter()
+        fn()
+        host = time.perf_counter() - t
+        res[name] = {"host_ms": round(1000 * host, 3), "stream_ms": round(1000 * _timed(fn, dev, 2), 3)}
+    table([[k, v["host_ms"], v["stream_ms"]] for k, v in res.items()], ["copy", "training thread ms", "total ms"])
+    ok = (not pin) or res["pinned bf16, non_blocking"]["host_ms"] < res["pageable fp32 -> bf16"]["host_ms"]
+    return {"shape": list(shape), **res, "ok": ok}
+
+
+def sec_compile(smoke, dev, out_dir):
+    """The quickstart eager and with compile=True (each block torch.compile'd) in bf16 on this device, the same
+    steps on the same data: time per step side by side, and the losses. Pass: compiled losses within 3e-2 of the
+    eager ones (relative; bf16 kernels fused differently round differently)."""
+    from bench import bench_step
+    steps, warmup = (2, 1) if smoke else (10, 3)
+    r = bench_step([os.path.join(HERE, "config/quickstart.py"), "--compile_compare=True", "--dtype=bfloat16",
+                    f"--out_dir={out_dir}/compile", f"--data_paths=['{out_dir}/compile/qs.mdio']"],
+                   warmup=warmup, steps=steps)
+    diff = max(abs(a - b) / abs(a) for a, b in zip(r["losses_eager"], r["losses_compiled"]))
+    r.update(max_rel_loss_diff=diff, ok=bool(diff <= 3e-2))
+    print(f"compiled vs eager: largest relative loss difference {diff:.2e}")
+    return r
+
+
+def sec_stop_signal(smoke, dev, out_dir, steps=None):
+    """SIGTERM to a 1-device quickstart run (fp32), then the relaunch, against the uninterrupted run. On a GPU the
+    ranks read the agreed stop flag a step late (checkpoint.StopRequest.agreed: no host sync per step): this is
+    the one place that path runs. Pass: exit 75, one checkpoint in between, the relaunch done, losses equal to
+    the uninterrupted run's within 1e-4."""
+    import checkpoint
+    steps = steps or (12 if smoke else 40)
+    d = os.path.join(out_dir, "stop_signal")
+    base = [sys.executable, os.path.join(HERE, "train.py"), os.path.join(HERE, "config/quickstart.py"),
+            f"--data_paths=['{d}/qs.mdio']", "--make_synthetic=True", f"--max_steps={steps}", "--dtype=float32",
+            "--log_interval=1", "--ckpt_interval=1000", "--eval_interval=1000", "--figures=False"]
+
+    def losses(run):
+        with open(os.path.join(d, run, "log.jsonl")) as f:
+            return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}  # the last record wins
+    full = subprocess.run([*base, f"--out_dir={d}/full"], capture_output=True, text=True, timeout=600)
+    assert full.returncode == 0, full.stderr[-2000:]
+    p = subprocess.Popen([*base, f"--out_dir={d}/stop"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = os.path.join(d, "stop", "log.jsonl")
+    while p.poll() is None and not (os.path.exists(log) and len(open(log).readlines()) >= 6):
+        time.sleep(0.05)
+    seen = len(open(log).readlines()) if os.path.exists(log) else 0
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    done = [s for s, _ in checkpoint.complete_checkpoints(os.path.join(d, "stop", "ckpt"))]
+    again = subprocess.run([*base, f"--out_dir={d}/stop"], capture_output=True, text=True, timeout=600)
+    a, b = losses("full"), losses("stop")
+    diff = max(abs(a[s] - b.get(s, float("nan"))) / abs(a[s]) for s in a) if len(a) == len(b) else float("nan")
+    res = {"rc": p.returncode, "records_before_signal": seen, "checkpoints": done, "relaunch_rc": again.returncode,
+           "max_rel_diff": diff, "ok": p.returncode == checkpoint.RESUMABLE and len(done) == 1 and 0 < done[0] < steps
+           and again.returncode == 0 and diff <= 1e-4}
+    print(f"stop signal: SIGTERM after {seen} logged steps -> exit {p.returncode}, checkpoints {done}; relaunch exit "
+          f"{again.returncode}; largest relative loss difference from the uninterrupted run {diff:.2e}")
+    if not res["ok"]:
+        print(err[-2000:], again.stderr[-2000:])
+    return res
+
+
+def sec_embed(smoke, dev, out_dir, steps=None):
+    """embed.py on this device (NCCL, windows batched per forward) against embed.py on the CPU (CUDA hidden): a
+    short fp32 quickstart run's encoder over the whole quickstart volume. Pass: features within 1e-2 of their
+    largest magnitude (cuDNN may run the patch embedding in TF32: ~1e-3), and embed.py's JSON line from both."""
+    import zarr
+    steps = steps or (4 if smoke else 10)
+    d = os.path.join(out_dir, "embed")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), os.path.join(HERE, "config/quickstart.py"),
+                        f"--data_paths=['{d}/qs.mdio']", "--make_synthetic=True", f"--max_steps={steps}",
+                        "--dtype=float32", f"--out_dir={d}/run", "--eval_interval=1000", "--figures=False"]
+                       + (["--synthetic_shape=(32,32,128)", "--val_frac=0.5"] if smoke else []),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rates, feats = {}, {}
+    for where, env in (("device", os.environ), ("cpu", dict(os.environ, CUDA_VISIBLE_DEVICES=""))):
+        e = subprocess.run([sys.executable, os.path.join(HERE, "embed.py"), f"{d}/run", f"{d}/qs.mdio",
+                            f"--out={d}/{where}.zarr", "--dtype=float32"], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert e.returncode == 0, e.stderr[-2000:]
+        rates[where] = json.loads(e.stdout.strip().splitlines()[-1])["tokens_per_s"]
+        feats[where] = np.asarray(zarr.open_group(f"{d}/{where}.zarr", mode="r")["features"][:])
+    err = float(np.abs(feats["device"] - feats["cpu"]).max() / max(np.abs(feats["cpu"]).max(), 1e-12))
+    print(f"embed.py on {dev.type} vs the CPU: features differ by {err:.2e} of their largest magnitude; "
+          f"{rates['device']:,.0f} vs {rates['cpu']:,.0f} tokens/s")
+    return {"rel_err": err, "device_tokens_per_s": rates["device"], "cpu_tokens_per_s": rates["cpu"], "ok": err <= 1e-2}
+
+
+def sec_elastic(smoke, dev, out_dir, steps=None):
+    """Elastic resume onto this device: a bf16 ZeRO-2 quickstart run on 2 CPU ranks (gloo) checkpoints at steps/2;
+    a copy goes on on one device with the same global batch (micro_batch 16 = 2 x 8) through DeepSpeed's
+    universal checkpoint. Pass: the continued losses within 5e-2 of the CPU run's own (CPU and GPU bf16 kernels
+    round differently; the CPU tests prove this exact in fp32)."""
+    import shutil
+    steps = steps or (8 if smoke else 16)
+    half = steps // 2
+    d = os.path.join(out_dir, "elastic")
+    base = [os.path.join(HERE, "train.py"), os.path.join(HERE, "config/quickstart.py"), f"--data_paths=['{d}/qs.mdio']",
+            "--make_synthetic=True", f"--max_steps={steps}", "--dtype=bfloat16", "--log_interval=1",
+            f"--ckpt_interval={half}", "--eval_interval=1000", "--figures=False"]
+    cpu_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cpu = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *base,
+                          "--micro_batch=8", f"--out_dir={d}/cpu"], env=cpu_env, capture_output=True, text=True,
+                         timeout=600)
+    assert cpu.returncode == 0, cpu.stderr[-2000:]
+    tag = f"step_{half:07d}"
+    shutil.copytree(f"{d}/cpu/ckpt/{tag}", f"{d}/dev/ckpt/{tag}")
+    run = subprocess.run([sys.executable, *base, "--micro_batch=16", f"--out_dir={d}/dev"], capture_output=True,
+                         text=True, timeout=600)
+
+    def losses(name):
+        with open(os.path.join(d, name, "log.jsonl")) as f:
+            return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+    a, b = losses("cpu"), (losses("dev") if run.returncode == 0 else {})
+    diff = max((abs(a[s] - b[s]) / abs(a[s]) for s in range(half, steps) if s in b), default=float("nan"))
+    res = {"rc": run.returncode, "converted": "converted in" in run.stdout, "steps": sorted(b), "max_rel_diff": diff,
+           "ok": run.returncode == 0 and sorted(b) == list(range(half, steps)) and diff <= 5e-2}
+    print(f"elastic resume: bf16 zero2 checkpoint of 2 CPU ranks at step {half} -> 1 {dev.type} rank (universal "
+          f"checkpoint converted: {res['converted']}), exit {run.returncode}; largest relative loss difference "
+          f"{diff:.2e}")
+    if not res["ok"]:
+        print(run.stderr[-2000:])
+    return res
