@@ -1,19 +1,103 @@
 """
-Config overrides, nanoGPT style, without magic beyond exec.
+The config: every key with its default and meaning (the block below), and how config files and overrides change
+them, nanoGPT style, without magic beyond exec.
 
     python train.py config/quickstart.py --max_steps=50 --crop=(64,64,64)
 
-train.py keeps its defaults as plain module globals. apply() runs each config file (plain Python that
-assigns globals) and then each --key=value, in command-line order, and checks every change:
-  * the key must already exist in train.py (a typo must not silently do nothing);
+defaults() is a fresh dict of the block below (train.py's config; the planner and the benches start from it
+too). apply() runs each config file (plain Python that assigns names) and then each --key=value, in
+command-line order, and checks every change:
+  * the key must exist below (a typo must not silently do nothing);
   * the value must have the default's type (an int is accepted where a float is expected).
 Values are parsed with ast.literal_eval, so --crop=(64,64,64) is a tuple and --data_paths=['a','b'] a
-list; a value that does not parse is taken as a string (--out_dir=out/run1).
+list; a value that does not parse is taken as a string (--out_dir=out/run1). What a value may be (ranges,
+combinations) is train.check_config's job.
 """
 
 import ast
-import os
+import builtins
+import copy
 
+
+# -----------------------------------------------------------------------------
+# every config key and its default (config/*.py files and --key=value change them)
+# I/O
+out_dir = "out/quickstart"  # logs and checkpoints
+data_paths = ["data/quickstart.mdio"]  # MDIO v1/v0 stores or 3D Zarr arrays (local, s3://, any fsspec URL), glob
+#                                        patterns (s3://bucket/library/*.mdio) and @manifests (python -m scripts.library index)
+sample_weighting = "volume"  # volume: a store drawn by its live voxels | uniform | manifest (each line's "weight")
+max_open_stores = 64  # stores kept open per rank (least recently used closed first): flat memory for any library
+make_synthetic = False  # create a synthetic volume at data_paths[0] if it does not exist (quickstart)
+synthetic_shape = (128, 128, 256)  # (inline, crossline, time) of that synthetic volume
+synthetic_chunks = (64, 64, 64)  # its Zarr chunks
+# data streaming (reader.py, data.py)
+in_flight = 16  # requests in flight per rank (on one event loop; also sizes the S3 connection pool)
+read_threads = 0  # decompression threads per rank (0: the CPUs this rank may use / the ranks on its node)
+prefetch = 2  # micro batches read ahead of compute
+align_crops = False  # crop origins on chunk boundaries: fewest chunks (and bytes) per crop
+min_live = 0.0  # skip crops whose live-trace fraction is below this
+read_retries = 6  # retries of a failing chunk request (exponential backoff, jitter), then an error
+read_timeout_s = 30.0  # a request that has not answered by then is retried
+s3_anon = False  # anonymous S3 (public buckets); else the normal AWS credential chain
+s3_endpoint = ""  # S3-compatible endpoint URL (MinIO, a loopback test server); "" = AWS
+# sample and model
+crop = (64, 64, 128)  # voxels per sample, (inline, crossline, time)
+patch = (16, 16, 16)  # voxels per token
+model_size = "tiny"  # tiny | small | base | large | huge (model.py)
+mask_ratio = 0.75  # fraction of tokens hidden from the encoder
+norm_pix_loss = False  # normalise each target patch by its own mean / std
+compile = False  # torch.compile each block (the ring stays one opaque op); off until measured on a GPU
+grad_ckpt = False  # activation checkpointing: keep a block's input only, recompute the block in backward
+ckpt_blocks = -1  # with grad_ckpt: how many blocks (-1 every one; model.ckpt_order which; plan.py: the least)
+# context parallelism: each sample's tokens split over cp ranks (contiguous inline slabs)
+cp = 1  # ranks per sample; world size must be a multiple; at most one node (8) in practice
+cp_impl = "ring"  # ring (ring_attention.py) | torch (PyTorch's own ring functions, checked against ours at start)
+mask_strata = 0  # masking strata (a multiple of cp; 0 = cp). Fix it to make masks independent of cp
+# optimisation
+max_steps = 200  # optimizer steps in the whole run
+micro_batch = 2  # samples per rank per micro step
+grad_accum = 1  # micro steps per optimizer step
+blr = 1.5e-4  # base learning rate; lr = blr * global_batch / 256
+min_lr = 0.0  # lr at the last step (half-cosine decay after warmup)
+warmup_steps = 20  # linear warmup from lr/warmup_steps to lr
+weight_decay = 0.05  # AdamW, on weight matrices only (not biases, norms, cls/mask tokens)
+beta1, beta2 = 0.9, 0.95
+grad_clip = 1.0  # max global gradient norm; 0 = off
+dtype = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
+strategy = "zero2"  # zero2 (DeepSpeed ZeRO-2) | zero3 (DeepSpeed ZeRO-3) | fsdp2 (PyTorch fully_shard)
+zero_bucket = int(5e8)  # DeepSpeed's gradient bucket, in elements (its default): GPU memory vs. fewer collectives
+zero3_max_live = int(1e9)  # ZeRO-3: weights reused within this many elements stay gathered; caps prefetch too
+# validation (evaluate.py) and figures (reconstruct.py)
+val_paths = []  # held-out stores (as data_paths; also manifest lines with split "val"); none: the last val_frac
+val_frac = 0.1  # inline fraction of each training volume held out (when val_paths is empty); 0 = no validation
+eval_interval = 100  # steps between evaluations (also one before the first step and one after the last)
+eval_samples = 16  # fixed validation samples: crops and masks are functions of (seed, validation index) only
+eval_only = False  # evaluate the newest complete checkpoint (val_loss and its figure), then exit
+figures = True  # rank 0 writes out_dir/figures/recon_step_N.png and loss.png at each evaluation (matplotlib)
+tensorboard = False  # also send scalars and figures to torch.utils.tensorboard, in out_dir/tb
+# logging and checkpoints
+log_interval = 10  # steps between log lines
+ckpt_interval = 100  # steps between checkpoints (one is also written at the end)
+keep_ckpts = 2  # complete checkpoints kept; keep >= 2: the newest may be mid-write when a job dies
+resume = True  # continue from the newest complete checkpoint in out_dir, if any (on any world size: checkpoint.py)
+allow_batch_change = False  # resume with another global batch: the stream goes on at the next unseen sample
+init_from = ""  # a new run starts from these weights (export.py's model file, or an out_dir): warm start, step 0
+ckpt_write_gbps = 2.0  # out_dir's write bandwidth, GB/s: the planner's checkpoint time (and stop_lead_s's)
+stop_step = 0  # > 0: stop after this step as if interrupted (checkpoint, exit); tests use it
+seed = 0  # data, mask and init randomness
+gpu_peak_flops = 989e12  # dense bf16 FLOP/s of one GPU for MFU (H100/H200 SXM)
+# the cluster (launch.sh and the planner read these)
+nodes = 1  # nodes the job runs on
+gpus_per_node = 0  # ranks per node; 0 = every GPU of the machine (or NPROC / 2 CPU ranks without GPU)
+stop_lead_s = 0  # SLURM sends SIGUSR1 this long before the time limit: a checkpoint, exit 75; 0 = the planner's
+dry_run = False  # validate and plan for nodes x gpus_per_node, print, exit (DRY_RUN=1 bash launch.sh ...)
+
+KEYS = [k for k, v in list(globals().items())
+        if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple, list))]
+
+
+# -----------------------------------------------------------------------------
+# changing them
 
 class ConfigError(ValueError):
     """A bad override: the message names the key and the fix."""
@@ -44,7 +128,7 @@ def apply(cfg, argv):
             except OSError as e:
                 raise ConfigError(f"cannot read config file {arg!r}: {e}") from e
             scope = {"__file__": arg}  # so that a config can build on another one beside it (config/context_1m.py)
-            exec(compile(src, arg, "exec"), scope)
+            exec(builtins.compile(src, arg, "exec"), scope)  # (`compile` is a config key here)
             for key, value in scope.items():
                 if key.startswith("__") or callable(value) or type(value).__name__ == "module":
                     continue  # imports and helper functions a config file may use
@@ -61,14 +145,7 @@ def apply(cfg, argv):
     return changed
 
 
-def defaults(path=os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")):
-    """train.py's config defaults as a dict, read from its source without importing it: the block of plain
-    assignments from the line '# config: defaults' to 'CONFIG_KEYS = ...', run as a config file is. For the
-    files that train.py imports and that need its defaults on their own command line (plan.py): importing
-    train.py there would close an import circle."""
-    src = open(path).read()
-    block = src[src.index("# config: defaults"):src.index("CONFIG_KEYS = ")]
-    scope = {}
-    exec(compile(block, path, "exec"), scope)
-    return {k: v for k, v in scope.items()
-            if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple, list))}
+def defaults():
+    """Every config key with its default (the block above), as a fresh dict: train.py's config, the planner's,
+    the benches'. A copy, so that a run's changes never reach another's."""
+    return copy.deepcopy({k: globals()[k] for k in KEYS})

@@ -1,8 +1,9 @@
 """
 Seismic volumes in, training samples out.
 
-  (reader.py opens a store and reads crops from it; synthetic.py writes the quickstart's synthetic volume as an
-  MDIO store; library.py finds and indexes stores)
+  (infra/reader.py opens a store and reads crops from it; infra/synthetic.py writes the quickstart's synthetic
+  volume as an MDIO store; infra/library.py finds and indexes stores)
+  samplers(cfg, ...)         a run's training and held-out Samplers, from its config (train.py's setup)
   Sampler                    random crops from one or more stores (URLs, or library.py's records: opened
                              when first needed, a bounded number kept open), each store drawn by its live
                              volume (or uniformly, or by a manifest's weights). A sample is a pure function of
@@ -20,7 +21,7 @@ Seismic volumes in, training samples out.
 import numpy as np
 import torch
 
-from reader import DataError, ReadOptions, Volume, read_crops
+from infra.reader import DataError, ReadOptions, Volume, read_crops
 
 
 def store_weights(records, inline, how):
@@ -282,3 +283,47 @@ class Prefetcher:
         for f in self.pending:
             f.cancel()
         self.pool.shutdown(wait=True)
+
+
+def samplers(cfg, cp_rank, dp_rank, dp_size, log):
+    """A run's samplers, on every rank: (training Sampler, held-out Sampler or None, the stores' digest). Rank 0
+    creates the quickstart's synthetic store (make_synthetic) and indexes data_paths and val_paths (globs expanded,
+    manifests read, plain URLs opened and described: infra/library.py) while the others wait; every rank gets the
+    records and opens a store only when a sample needs it. Held out: the val_paths stores and the manifests'
+    split="val" ones, or else the last val_frac of every training volume's inline axis."""
+    import hashlib
+    import json
+    import time
+
+    from infra import distributed, library, synthetic
+    if cfg["make_synthetic"] and torch.distributed.get_rank() == 0:
+        synthetic.ensure_synthetic(cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"],
+                                   chunks=cfg["synthetic_chunks"])
+    torch.distributed.barrier()
+    opts = ReadOptions(in_flight=cfg["in_flight"], retries=cfg["read_retries"], timeout_s=cfg["read_timeout_s"],
+                       anon=cfg["s3_anon"], endpoint_url=cfg["s3_endpoint"] or None, threads=cfg["read_threads"])
+    t0 = time.time()
+    stores, val_stores = distributed.on_rank_0(
+        lambda: (library.index(cfg["data_paths"], opts, in_flight=cfg["in_flight"]),
+                 library.index(cfg["val_paths"], opts, in_flight=cfg["in_flight"]) if cfg["val_paths"] else []))
+    val_stores += [r for r in stores if r.get("split") == "val"]
+    stores = [r for r in stores if r.get("split") != "val"]
+    if not stores:
+        raise DataError(f"data_paths {cfg['data_paths']} hold only split='val' stores: nothing to train on")
+    log(f"data: {len(stores)} training store(s), {len(val_stores)} held-out; indexed in {time.time() - t0:.1f} s")
+    held_out = not val_stores and cfg["val_frac"] > 0
+    sampling = dict(crop=cfg["crop"], seed=cfg["seed"], micro_batch=cfg["micro_batch"], cp_rank=cp_rank,
+                    cp_size=cfg["cp"], align=cfg["align_crops"], min_live=cfg["min_live"], opts=opts,
+                    weighting=cfg["sample_weighting"], max_open=cfg["max_open_stores"])
+    train = Sampler(stores, dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"],
+                    part=("train", cfg["val_frac"]) if held_out else None, **sampling)
+    # what the training stream depends on besides the seed: which stores, in which order, drawn how (a glob
+    # re-expanded at a relaunch may have found more; train.py warns when a resumed run's differs)
+    digest = hashlib.sha256(json.dumps([[r["url"] for r in stores], cfg["sample_weighting"]]).encode()).hexdigest()[:16]
+    val = None
+    if val_stores or held_out:
+        recs = val_stores or stores
+        if cfg["sample_weighting"] == "manifest" and not all("weight" in r for r in recs):
+            sampling["weighting"] = "volume"  # held-out stores without weights (val_paths, split "val"): by volume
+        val = Sampler(recs, part=("val", cfg["val_frac"]) if held_out else None, stream="val", **sampling)
+    return train, val, digest

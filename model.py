@@ -7,7 +7,7 @@ Read top to bottom:
   3. masking                   per-sample random masking by argsort of noise (the MAE recipe)
   4. attention + Block         every attention call goes through `attention()`
   5. MAE                       encoder on visible tokens + cls, decoder on all tokens, loss
-  6. model sizes               one-line functions, tiny .. huge
+  6. model sizes               one-line functions, tiny .. G; build_model(cfg): the MAE of a config
 
 Axis convention. A volume is (inline, crossline, time), the MDIO order. In torch it is a tensor
 (B, 1, Z, Y, X) with Z = inline, Y = crossline, X = time, i.e. Conv3d's (D, H, W). A token grid is
@@ -448,3 +448,21 @@ def mae_G_h128(**kw):    return MAE(dim=1664, depth=48, heads=13, dec_dim=512, d
 
 MODELS = {"tiny": mae_tiny, "small": mae_small, "base": mae_base, "large": mae_large, "huge": mae_huge,
           "giant": mae_giant, "G": mae_G, "large_h64": mae_large_h64, "G_h128": mae_G_h128}
+
+
+def token_grid(shape, patch):
+    """Tokens along each axis of a crop or volume: (64, 64, 128) voxels / (16, 16, 16) -> (4, 4, 8); a partial
+    patch at the far edge has no token."""
+    return tuple(s // p for s, p in zip(shape, patch))
+
+
+def build_model(cfg, device=None, train=False):
+    """The one place an MAE is built from a config (train.py's keys: a run's, or a model file's). Not seeded:
+    train.py seeds with cfg["seed"] first; seed before calling this for the run's init. device="meta": shapes and
+    parameter counts, no memory. train=True: with the run's activation checkpointing (grad_ckpt, ckpt_blocks),
+    which changes how training recomputes, not the function."""
+    ckpt = train and cfg["grad_ckpt"] and (True if cfg["ckpt_blocks"] < 0 else cfg["ckpt_blocks"])
+    with torch.device(device if device is not None else torch.get_default_device()):
+        return MODELS[cfg["model_size"]](grid=token_grid(cfg["crop"], cfg["patch"]), patch=tuple(cfg["patch"]),
+                                         mask_ratio=cfg["mask_ratio"], norm_pix_loss=cfg.get("norm_pix_loss", False),
+                                         mask_strata=cfg.get("mask_strata") or cfg.get("cp", 1), grad_ckpt=ckpt)

@@ -1,14 +1,14 @@
 """
-Pretrain a 3D ViT-MAE on seismic volumes with DeepSpeed ZeRO-2.
+Pretrain a 3D ViT-MAE on seismic volumes with DeepSpeed ZeRO-2 (or ZeRO-3, or FSDP2).
 
     bash launch.sh config/quickstart.py                 # one machine: all GPUs, or 2 CPU ranks
     python train.py config/quickstart.py --max_steps=20 # one process, no launcher
 
-Read top to bottom: the config (every key with its default), validation (every bad input fails here,
-before any work), then main(): distributed setup, data, model, the strategy's engine (strategies.py),
-resume, the training loop, checkpoints. One training step is grad_accum micro steps of micro_batch samples
-on each of the dp_size data-parallel ranks, and each sample is split over the cp ranks of a context-parallel
-group:
+Read top to bottom: the config check (every key, its default and meaning are in configurator.py; every bad
+input fails here, before any work), setup (distributed, data, model, the strategy's engine), one training
+step, the run's log, and main(): resume, then the loop with its evaluations, checkpoints and stop signals.
+One training step is grad_accum micro steps of micro_batch samples on each of the dp_size data-parallel
+ranks, and each sample is split over the cp ranks of a context-parallel group:
     world        = dp_size * cp                                 (CP groups: contiguous ranks, one node)
     global_batch = micro_batch * grad_accum * dp_size          (samples per optimizer step)
     lr           = blr * global_batch / 256                     (the MAE scaling rule)
@@ -17,7 +17,7 @@ the masked count of the whole sample, multiplied by cp before backward; ZeRO ave
 the whole world, so the result is the mean over the dp_size samples, exactly as with cp = 1.
 """
 
-import hashlib
+import dataclasses
 import importlib
 import json
 import math
@@ -29,102 +29,19 @@ import time
 
 import torch
 
-import checkpoint
 import configurator
 import data
-import dryrun
-import evaluate
-import export
-import library
-import plan
-import reader
 import ring_attention
-import strategies
-import synthetic
-from model import MODELS
+from infra import checkpoint, distributed, dryrun, evaluate, modelfile, strategies
+from infra.cli import run as run_cli
+from infra.stop import RESUMABLE, StopRequest, write_stopped
+from model import MODELS, build_model, token_grid
 
 # -----------------------------------------------------------------------------
-# config: defaults (config/*.py files and --key=value override them; see configurator.py)
-# I/O
-out_dir = "out/quickstart"  # logs and checkpoints
-data_paths = ["data/quickstart.mdio"]  # MDIO v1/v0 stores or 3D Zarr arrays (local, s3://, any fsspec URL), glob
-#                                        patterns (s3://bucket/library/*.mdio) and @manifests (python library.py index)
-sample_weighting = "volume"  # volume: a store drawn by its live voxels | uniform | manifest (each line's "weight")
-max_open_stores = 64  # stores kept open per rank (least recently used closed first): flat memory for any library
-make_synthetic = False  # create a synthetic volume at data_paths[0] if it does not exist (quickstart)
-synthetic_shape = (128, 128, 256)  # (inline, crossline, time) of that synthetic volume
-synthetic_chunks = (64, 64, 64)  # its Zarr chunks
-# data streaming (reader.py, data.py)
-in_flight = 16  # requests in flight per rank (on one event loop; also sizes the S3 connection pool)
-read_threads = 0  # decompression threads per rank (0: the CPUs this rank may use / the ranks on its node)
-prefetch = 2  # micro batches read ahead of compute
-align_crops = False  # crop origins on chunk boundaries: fewest chunks (and bytes) per crop
-min_live = 0.0  # skip crops whose live-trace fraction is below this
-read_retries = 6  # retries of a failing chunk request (exponential backoff, jitter), then an error
-read_timeout_s = 30.0  # a request that has not answered by then is retried
-s3_anon = False  # anonymous S3 (public buckets); else the normal AWS credential chain
-s3_endpoint = ""  # S3-compatible endpoint URL (MinIO, a loopback test server); "" = AWS
-# sample and model
-crop = (64, 64, 128)  # voxels per sample, (inline, crossline, time)
-patch = (16, 16, 16)  # voxels per token
-model_size = "tiny"  # tiny | small | base | large | huge (model.py)
-mask_ratio = 0.75  # fraction of tokens hidden from the encoder
-norm_pix_loss = False  # normalise each target patch by its own mean / std
-compile = False  # torch.compile each block (the ring stays one opaque op); off until measured on a GPU
-grad_ckpt = False  # activation checkpointing: keep a block's input only, recompute the block in backward
-ckpt_blocks = -1  # with grad_ckpt: how many blocks (-1 every one; model.ckpt_order which; plan.py: the least)
-# context parallelism: each sample's tokens split over cp ranks (contiguous inline slabs)
-cp = 1  # ranks per sample; world size must be a multiple; at most one node (8) in practice
-cp_impl = "ring"  # ring (ring_attention.py) | torch (PyTorch's own ring functions, checked against ours at start)
-mask_strata = 0  # masking strata (a multiple of cp; 0 = cp). Fix it to make masks independent of cp
-# optimisation
-max_steps = 200  # optimizer steps in the whole run
-micro_batch = 2  # samples per rank per micro step
-grad_accum = 1  # micro steps per optimizer step
-blr = 1.5e-4  # base learning rate; lr = blr * global_batch / 256
-min_lr = 0.0  # lr at the last step (half-cosine decay after warmup)
-warmup_steps = 20  # linear warmup from lr/warmup_steps to lr
-weight_decay = 0.05  # AdamW, on weight matrices only (not biases, norms, cls/mask tokens)
-beta1, beta2 = 0.9, 0.95
-grad_clip = 1.0  # max global gradient norm; 0 = off
-dtype = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
-strategy = "zero2"  # zero2 (DeepSpeed ZeRO-2) | zero3 (DeepSpeed ZeRO-3) | fsdp2 (PyTorch fully_shard)
-zero_bucket = int(5e8)  # DeepSpeed's gradient bucket, in elements (its default): GPU memory vs. fewer collectives
-zero3_max_live = int(1e9)  # ZeRO-3: weights reused within this many elements stay gathered; caps prefetch too
-# validation (evaluate.py) and figures (reconstruct.py)
-val_paths = []  # held-out stores (as data_paths; also manifest lines with split "val"); none: the last val_frac
-val_frac = 0.1  # inline fraction of each training volume held out (when val_paths is empty); 0 = no validation
-eval_interval = 100  # steps between evaluations (also one before the first step and one after the last)
-eval_samples = 16  # fixed validation samples: crops and masks are functions of (seed, validation index) only
-eval_only = False  # evaluate the newest complete checkpoint (val_loss and its figure), then exit
-figures = True  # rank 0 writes out_dir/figures/recon_step_N.png and loss.png at each evaluation (matplotlib)
-tensorboard = False  # also send scalars and figures to torch.utils.tensorboard, in out_dir/tb
-# logging and checkpoints
-log_interval = 10  # steps between log lines
-ckpt_interval = 100  # steps between checkpoints (one is also written at the end)
-keep_ckpts = 2  # complete checkpoints kept; keep >= 2: the newest may be mid-write when a job dies
-resume = True  # continue from the newest complete checkpoint in out_dir, if any (on any world size: checkpoint.py)
-allow_batch_change = False  # resume with another global batch: the stream goes on at the next unseen sample
-init_from = ""  # a new run starts from these weights (export.py's model file, or an out_dir): warm start, step 0
-ckpt_write_gbps = 2.0  # out_dir's write bandwidth, GB/s: the planner's checkpoint time (and stop_lead_s's)
-stop_step = 0  # > 0: stop after this step as if interrupted (checkpoint, exit); tests use it
-seed = 0  # data, mask and init randomness
-gpu_peak_flops = 989e12  # dense bf16 FLOP/s of one GPU for MFU (H100/H200 SXM)
-# the cluster (launch.sh and the planner read these)
-nodes = 1  # nodes the job runs on
-gpus_per_node = 0  # ranks per node; 0 = every GPU of the machine (or NPROC / 2 CPU ranks without GPU)
-stop_lead_s = 0  # SLURM sends SIGUSR1 this long before the time limit: a checkpoint, exit 75; 0 = the planner's
-dry_run = False  # validate and plan for nodes x gpus_per_node, print, exit (DRY_RUN=1 bash launch.sh ...)
-
-CONFIG_KEYS = [k for k, v in list(globals().items())
-               if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple, list))]
+# the config check: everything that can be checked before any work is done
 
 
-# -----------------------------------------------------------------------------
-# validation: everything that can be checked before any work is done
-
-
-def validate(cfg):
+def check_config(cfg):
     """Raise ConfigError naming the problem and the fix; data-dependent checks live in data.Sampler."""
 
     def need(ok, msg):
@@ -140,7 +57,7 @@ def validate(cfg):
          f"crop {cfg['crop']} is not divisible by patch {cfg['patch']} along every axis: choose a crop that is a "
          f"multiple of the patch, e.g. {tuple(max(p, c // p * p) for c, p in zip(cfg['crop'], cfg['patch']))}")
     need(0.0 < cfg["mask_ratio"] < 1.0, f"mask_ratio must be in (0, 1), got {cfg['mask_ratio']}")
-    grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
+    grid = token_grid(cfg["crop"], cfg["patch"])
     L = math.prod(grid)
     need(int(L * (1 - cfg["mask_ratio"])) >= 1,
          f"mask_ratio {cfg['mask_ratio']} leaves no visible token out of {L}: lower it or use a larger crop")
@@ -155,8 +72,7 @@ def validate(cfg):
     need(strata % cp == 0 and L % strata == 0,
          f"mask_strata {strata} must be a multiple of cp={cp} and divide the {L} tokens")
     need(cfg["mask_strata"] >= 0, "mask_strata must be >= 0 (0 = cp)")
-    with torch.device("meta"):  # (shapes only: the head dims and block count below)
-        m = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"])
+    m = build_model({**cfg, "mask_strata": 0, "cp": 1}, device="meta")  # (shapes only: head dims, block count)
     if cp > 1:  # the ring runs on the fused attention kernels: check their head dims now
         for blk in (m.blocks[0], m.decoder_blocks[0]):
             d = blk.qkv.in_features // blk.heads
@@ -210,133 +126,73 @@ def get_lr(step, peak_lr, cfg):
 
 
 # -----------------------------------------------------------------------------
+# setup: distributed, data, model, the strategy's engine
 
 
+@dataclasses.dataclass
 class Job:
-    """Everything a training step needs, built once by setup() (bench.py builds the same)."""
+    """Everything a training step needs, built once by setup() (bench/ builds the same)."""
+    cfg: dict
+    rank: int  # this rank, of `world`; cp_rank within its context-parallel group, dp_rank its group
+    world: int
+    device: torch.device
+    dtype: torch.dtype  # the compute dtype
+    cp: int
+    cp_rank: int
+    dp_rank: int
+    dp_size: int
+    cp_group: object  # this rank's context-parallel process group (None when cp = 1)
+    global_batch: int
+    peak_lr: float
+    log: object  # print on rank 0, silence elsewhere
+    sampler: data.Sampler = None
+    val_sampler: data.Sampler = None  # None: no validation
+    stores_digest: str = ""  # which stores the training stream draws from, and how (data.samplers)
+    model: torch.nn.Module = None  # the plain MAE (the engine wraps it, or shards it in place)
+    grid: tuple = ()  # tokens per sample along (inline, crossline, time)
+    n_params: int = 0
+    engine: object = None  # strategies.build: forward, backward, step, save/load for every strategy
+    optimizer: torch.optim.Optimizer = None
 
-
-def dist_env():
-    """The environment torch.distributed reads: torchrun's, or a world of 1 on a free local port (a bare python)."""
-    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(k, v)
-    if "MASTER_PORT" not in os.environ:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    @property
+    def on_gpu(self):
+        return self.device.type == "cuda"
 
 
 def setup(cfg):
-    """Distributed init, data, model, optimizer, DeepSpeed engine. Returns a Job."""
-    job = Job()
-    job.cfg = cfg
-    # ---- distributed setup. torchrun sets RANK/WORLD_SIZE; a bare `python train.py` is a world of 1.
-    dist_env()
-    job.on_gpu = on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede `import deepspeed`
-    elif os.environ.get("DS_ACCELERATOR") == "cpu":
-        del os.environ["DS_ACCELERATOR"]  # inherited from a CPU machine (a login node): wrong here
-    import deepspeed
-    import torch.distributed as dist
-
-    job.rank, job.world = rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    cp = cfg["cp"]
-    # checks that need the world size, before any work
-    if world % cp:
-        raise configurator.ConfigError(f"world size {world} is not divisible by cp={cp}: launch a multiple of "
-                                       f"{cp} ranks (NPROC=...), or change cp")
-    if on_gpu:
-        torch.cuda.set_device(local_rank)
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
-    job.device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
-    job.dtype = dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32,
-                         "bfloat16": torch.bfloat16}[cfg["dtype"]]
-    # ranks [i*cp, (i+1)*cp) share sample stream i: contiguous, so a CP group stays on one node's NVLink.
-    # Every rank creates every group, in the same order (new_group is collective).
-    job.cp, job.cp_rank, job.dp_rank, job.dp_size = cp, rank % cp, rank // cp, world // cp
-    dp_rank, dp_size = job.dp_rank, job.dp_size
-    job.cp_group = None
-    if cp > 1:
-        for i in range(dp_size):
-            g = dist.new_group(list(range(i * cp, (i + 1) * cp)))
-            if i == dp_rank:
-                job.cp_group = g
-    job.global_batch = cfg["micro_batch"] * cfg["grad_accum"] * dp_size
-    job.peak_lr = cfg["blr"] * job.global_batch / 256
-    job.log = print if rank == 0 else (lambda *a, **k: None)
-
-    # ---- data. Rank 0 creates the quickstart's synthetic store; everyone waits, then opens it.
-    if cfg["make_synthetic"] and rank == 0:
-        synthetic.ensure_synthetic(cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"],
-                              chunks=cfg["synthetic_chunks"])
-    dist.barrier()
-    opts = reader.ReadOptions(in_flight=cfg["in_flight"], retries=cfg["read_retries"], timeout_s=cfg["read_timeout_s"],
-                            anon=cfg["s3_anon"], endpoint_url=cfg["s3_endpoint"] or None, threads=cfg["read_threads"])
-    # the stores: globs expanded, manifests read, plain URLs opened and described, by rank 0 alone; every rank gets
-    # the records and opens a store only when a sample needs it (library.py, data.Sampler)
-    t0 = time.time()
-    stores, val_stores = checkpoint.on_rank_0(
-        lambda: (library.index(cfg["data_paths"], opts, in_flight=cfg["in_flight"]),
-                 library.index(cfg["val_paths"], opts, in_flight=cfg["in_flight"]) if cfg["val_paths"] else []))
-    # held out: the val_paths stores and the manifests' split="val" ones, or else the last val_frac of every
-    # training volume's inline axis
-    val_stores += [r for r in stores if r.get("split") == "val"]
-    stores = [r for r in stores if r.get("split") != "val"]
-    if not stores:
-        raise data.DataError(f"data_paths {cfg['data_paths']} hold only split='val' stores: nothing to train on")
-    job.log(f"data: {len(stores)} training store(s), {len(val_stores)} held-out; indexed in {time.time() - t0:.1f} s")
-    held_out = not val_stores and cfg["val_frac"] > 0
-    sampling = dict(crop=cfg["crop"], seed=cfg["seed"], micro_batch=cfg["micro_batch"], cp_rank=job.cp_rank,
-                    cp_size=cp, align=cfg["align_crops"], min_live=cfg["min_live"], opts=opts,
-                    weighting=cfg["sample_weighting"], max_open=cfg["max_open_stores"])
-    job.sampler = data.Sampler(stores, dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"],
-                               part=("train", cfg["val_frac"]) if held_out else None, **sampling)
-    # what the training stream depends on besides the seed: which stores, in which order, drawn how (a glob
-    # re-expanded at a relaunch may have found more; main() warns when a resumed run's differs)
-    job.stores_digest = hashlib.sha256(json.dumps([[r["url"] for r in stores], cfg["sample_weighting"]])
-                                       .encode()).hexdigest()[:16]
-    job.val_sampler = None
-    if val_stores or held_out:
-        val = val_stores or stores
-        if cfg["sample_weighting"] == "manifest" and not all("weight" in r for r in val):
-            sampling["weighting"] = "volume"  # held-out stores without weights (val_paths, split "val"): by volume
-        job.val_sampler = data.Sampler(val, part=("val", cfg["val_frac"]) if held_out else None, stream="val",
-                                       **sampling)
-
-    # ---- model and optimizer. Same init on every rank (seeded), as data parallelism requires.
+    """Distributed init, data, model, optimizer, the strategy's engine. Returns a Job."""
+    rank, world, device = distributed.init()  # torchrun's ranks, or a world of 1
+    if world % cfg["cp"]:  # the one check that needs the world size, before any work
+        raise configurator.ConfigError(f"world size {world} is not divisible by cp={cfg['cp']}: launch a multiple of "
+                                       f"{cfg['cp']} ranks (NPROC=...), or change cp")
+    cp_rank, dp_rank, dp_size, cp_group = distributed.cp_groups(cfg["cp"])
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16}[cfg["dtype"]]
+    global_batch = cfg["micro_batch"] * cfg["grad_accum"] * dp_size
+    job = Job(cfg, rank, world, device, dtype, cfg["cp"], cp_rank, dp_rank, dp_size, cp_group, global_batch,
+              peak_lr=cfg["blr"] * global_batch / 256, log=print if rank == 0 else (lambda *a, **k: None))
+    # ---- data: the training stream and the held-out one (data.samplers)
+    job.sampler, job.val_sampler, job.stores_digest = data.samplers(cfg, cp_rank, dp_rank, dp_size, job.log)
+    # ---- model. Same init on every rank (seeded), as data parallelism requires.
     torch.manual_seed(cfg["seed"])
-    job.grid = grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
-    job.model = model = MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
-                                                  norm_pix_loss=cfg["norm_pix_loss"], grad_ckpt=plan.ckpt_arg(cfg),
-                                                  mask_strata=cfg["mask_strata"] or cp)
-    model.set_context_parallel(job.cp_group, cfg["cp_impl"])
-    if cp > 1 and cfg["cp_impl"] == "torch":  # PyTorch's ring against ours on this machine, before any work
+    job.model = model = build_model(cfg, train=True)
+    job.grid = model.grid
+    model.set_context_parallel(cp_group, cfg["cp_impl"])
+    if job.cp > 1 and cfg["cp_impl"] == "torch":  # PyTorch's ring against ours on this machine, before any work
         for blk in (model.blocks[0], model.decoder_blocks[0]):  # the encoder's head dim and the decoder's
-            ring_attention.verify_torch_cp(job.cp_group, job.device, dtype, blk.qkv.in_features // blk.heads)
+            ring_attention.verify_torch_cp(cp_group, device, dtype, blk.qkv.in_features // blk.heads)
     job.n_params = sum(p.numel() for p in model.parameters())  # before any sharding hides them
-    # ---- warm start (init_from): trained weights into the plain model, before a strategy shards it or copies them
-    # into its fp32 masters. Only a new run: one with checkpoints of its own resumes them (a requeued job goes on).
-    if cfg["init_from"]:
-        # rank 0's view of out_dir, so that every rank takes the same branch (and resume=False is refused first)
-        if checkpoint.on_rank_0(lambda: checkpoint.check_resumable(cfg, os.path.join(cfg["out_dir"], "ckpt"))):
-            job.log(f"init_from={cfg['init_from']} not used: {cfg['out_dir']} has checkpoints of its own to resume")
-        else:
-            src = cfg["init_from"]
-            export.check_init(export.init_source(src)[0], cfg, src)  # before any work: a wrong patch or width
-            if os.path.isdir(src):  # a run's out_dir: its newest checkpoint as one model file, exported by rank 0
-                path = checkpoint.on_rank_0(
-                    lambda: export.export(src, out=os.path.join(cfg["out_dir"], "init_from.pt")))
-                job.log(export.warm_start(model, path, cfg, name=src))
-            else:
-                job.log(export.warm_start(model, src, cfg))
+    if cfg["init_from"]:  # trained weights, before a strategy shards the model or copies them into its masters
+        modelfile.init_from(model, cfg, job.log)
     if cfg["compile"]:  # each block, before any strategy wraps or shards it (blocks of a stack share one graph)
         for blk in list(model.blocks) + list(model.decoder_blocks):
             blk.compile()
-    job.engine, job.optimizer = strategies.build(model, cfg, job.peak_lr, dtype, job.device)
+    job.engine, job.optimizer = strategies.build(model, cfg, job.peak_lr, dtype, device)
     return job
+
+
+# -----------------------------------------------------------------------------
+# one training step
 
 
 def prepare_batch(job, x, ids):
@@ -365,7 +221,7 @@ def micro_batches(job, start, end, depth=None):
 
 def train_step(job, step, batches, stop=0.0):
     """One optimizer step: grad_accum micro steps. `batches` yields prepared (x, ids_keep) micro batches; `stop`:
-    this rank's stop flag (checkpoint.StopRequest), summed over the ranks in the loss's all-reduce.
+    this rank's stop flag (stop.StopRequest), summed over the ranks in the loss's all-reduce.
     Returns (mean loss over the whole job as a 1-element device tensor: reading it is a host sync, which the
     loop does only every log_interval steps; lr; seconds the training thread waited for data; the summed stop
     flags, a 1-element device tensor)."""
@@ -393,27 +249,111 @@ def train_step(job, step, batches, stop=0.0):
     return acc[:1] / job.dp_size, lr, wait, acc[1:]
 
 
+# -----------------------------------------------------------------------------
+# the run's log: log.jsonl, tensorboard, the log line
+
+
+class RunLog:
+    """Rank 0 writes out_dir/log.jsonl (one record per step, per evaluation) and tensorboard; every rank reads the
+    step losses back from the device in batches (a read-back is a host sync: only at log lines, evaluations and
+    checkpoints), and a non-finite one stops all ranks together (all hold the same reduced value), before any
+    checkpoint of those weights is written."""
+
+    def __init__(self, job):
+        self.job, out = job, job.cfg["out_dir"]
+        self.file = open(os.path.join(out, "log.jsonl"), "a") if job.rank == 0 else None
+        self.tb = (importlib.import_module("torch.utils.tensorboard").SummaryWriter(os.path.join(out, "tb"))
+                   if job.cfg["tensorboard"] and job.rank == 0 else None)
+        self.pending = []  # (step, loss tensor, lr, seconds, data wait) of the steps not yet read back
+        self.since, self.t_last, self.wait, self.bytes_last = 0, time.time(), 0.0, job.sampler.bytes_read()
+        self.eval_s = 0.0
+
+    def step(self, step, loss, lr, seconds, wait):
+        self.pending.append((step, loss, lr, seconds, wait))
+        self.wait += wait
+        self.since += 1
+
+    def read_back(self):
+        """One host sync for every pending step: their losses to log.jsonl. Returns the last loss."""
+        losses = torch.cat([p[1] for p in self.pending]).tolist() if self.pending else []
+        for (st, _, lr, t, w), loss in zip(self.pending, losses):
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss ({loss}) at step {st}: stopping; no checkpoint of these "
+                                         f"weights is written. Lower blr or raise warmup_steps, and check the data "
+                                         f"for NaN/inf outside dead traces.")
+            if self.file:
+                self.file.write(json.dumps({"step": st, "loss": loss, "lr": lr, "step_s": round(t, 5),
+                                            "wait_s": round(w, 5)}) + "\n")
+            if self.tb:
+                self.tb.add_scalar("loss/train", loss, st)
+                self.tb.add_scalar("lr", lr, st)
+        if self.file:
+            self.file.flush()
+        self.pending.clear()
+        return losses[-1] if losses else float("nan")
+
+    def line(self, step, lr):
+        """The log line: loss, speed (samples/s, tokens/s, MFU on a GPU), data rate and wait, peak memory, over
+        the steps since the last line. (step_s in log.jsonl is host time: on a GPU, without a sync per step, the
+        time to queue the step's work. This line spans a read-back, a sync, so it is the device's time too.)"""
+        job, cfg = self.job, self.job.cfg
+        loss = self.read_back()
+        dt = (time.time() - self.t_last) / self.since
+        sps = job.global_batch / dt
+        flops = job.model.flops_per_sample() * sps  # achieved FLOP/s, whole job
+        mem = (torch.cuda.max_memory_allocated() if job.on_gpu
+               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 30
+        speed = (f"MFU {100 * flops / (job.world * cfg['gpu_peak_flops']):.1f}%" if job.on_gpu
+                 else f"{flops / job.world / 1e9:.2f} GFLOP/s/rank")
+        gbps = (job.sampler.bytes_read() - self.bytes_last) / (dt * self.since) / 1e9  # this rank's reads
+        job.log(f"step {step:5d} | loss {loss:.4f} | lr {lr:.3e} | {sps:.2f} samples/s | "
+                f"{sps * job.model.L:,.0f} tok/s | {1000 * dt:.0f} ms/step | {speed} | data {gbps:.3f} GB/s/rank, "
+                f"wait {100 * self.wait / (dt * self.since):.1f}% | peak mem {mem:.2f} GB")
+        self.since, self.t_last, self.wait, self.bytes_last = 0, time.time(), 0.0, job.sampler.bytes_read()
+
+    def evaluate(self, done):
+        """Evaluate the weights after `done` optimizer steps (the weights training step `done` starts from, and
+        checkpoint step_{done} holds): val_loss to the log, figures, tensorboard (infra/evaluate.py)."""
+        if self.job.val_sampler is None:
+            return
+        self.read_back()  # the training records up to here are in log.jsonl before loss.png reads it
+        t0 = time.time()
+        val, fig = evaluate.on_job(self.job, done, self.file)
+        if self.tb:
+            self.tb.add_scalar("loss/val", val, done)
+            if fig is not None:
+                self.tb.add_figure("reconstruction", fig, done)
+            self.tb.flush()
+        self.eval_s += time.time() - t0
+        self.t_last += time.time() - t0  # the next log line's ms/step and samples/s are training's alone
+
+    def close(self):
+        if self.tb:
+            self.tb.close()
+
+
+# -----------------------------------------------------------------------------
+# the run
+
+
 def main(argv, stop=None):
-    """The run; `stop`: a checkpoint.StopRequest (cli installs it: SIGTERM / SIGUSR1 stop at a step boundary with a
-    checkpoint, and main then returns checkpoint.RESUMABLE)."""
-    cfg = {k: globals()[k] for k in CONFIG_KEYS}
+    """The run; `stop`: a StopRequest (cli installs it: SIGTERM / SIGUSR1 stop at a step boundary with a
+    checkpoint, and main then returns RESUMABLE)."""
+    cfg = configurator.defaults()
     configurator.apply(cfg, argv)
-    validate(cfg)
+    check_config(cfg)
     if cfg["dry_run"]:
         return dryrun.check_launch(cfg)
     job = setup(cfg)
-    engine, model, log, rank, world = job.engine, job.model, job.log, job.rank, job.world
-    n_params = job.n_params
-    flops_per_sample = model.flops_per_sample()
-    log(f"model {cfg['model_size']}: {n_params / 1e6:.2f} M params | grid {job.grid} = {model.L} tokens, "
+    model, log = job.model, job.log
+    log(f"model {cfg['model_size']}: {job.n_params / 1e6:.2f} M params | grid {job.grid} = {model.L} tokens, "
         f"{model.n_keep()} visible (mask ratio {1 - model.n_keep() / model.L:.4f} realised, {cfg['mask_ratio']} asked) | "
-        f"world {world} = dp {job.dp_size} x cp {job.cp} ({cfg['cp_impl'] if job.cp > 1 else 'no cp'}) | "
-        f"global batch {job.global_batch} | "
-        f"peak lr {job.peak_lr:.3g} | {job.dtype} on {job.device.type}")
+        f"world {job.world} = dp {job.dp_size} x cp {job.cp} ({cfg['cp_impl'] if job.cp > 1 else 'no cp'}) | "
+        f"global batch {job.global_batch} | peak lr {job.peak_lr:.3g} | {job.dtype} on {job.device.type}")
 
-    # ---- resume from the newest complete checkpoint (checkpoint.py)
+    # ---- resume from the newest complete checkpoint (infra/checkpoint.py)
     ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
-    start, seen = checkpoint.resume(engine, cfg, ckpt_dir, world, job.dtype, log)
+    start, seen = checkpoint.resume(job.engine, cfg, ckpt_dir, job.world, job.dtype, log)
     if start:
         job.sampler.offset = seen - start * job.global_batch  # 0 unless the global batch changed (allow_batch_change)
         with open(os.path.join(ckpt_dir, f"step_{start:07d}", "COMPLETE")) as f:
@@ -432,104 +372,40 @@ def main(argv, stop=None):
 
     # ---- the training loop. The prefetcher reads the next micro batches in threads while we compute.
     os.makedirs(cfg["out_dir"], exist_ok=True)
-    if rank == 0 and os.path.exists(os.path.join(cfg["out_dir"], "STOPPED")):
+    if job.rank == 0 and os.path.exists(os.path.join(cfg["out_dir"], "STOPPED")):
         os.remove(os.path.join(cfg["out_dir"], "STOPPED"))  # an earlier stop's: this run is going on from it
-    log_file = open(os.path.join(cfg["out_dir"], "log.jsonl"), "a") if rank == 0 else None
-    tb = (importlib.import_module("torch.utils.tensorboard").SummaryWriter(os.path.join(cfg["out_dir"], "tb"))
-          if cfg["tensorboard"] and rank == 0 else None)
-    t_run, eval_time = time.time(), 0.0
+    runlog, t_run = RunLog(job), time.time()
     end = cfg["max_steps"] if cfg["stop_step"] <= 0 else min(cfg["max_steps"], cfg["stop_step"])
     batches = micro_batches(job, start, end)
-    t_last, data_time, steps_since, bytes_last = time.time(), 0.0, 0, job.sampler.bytes_read()
-    pending = []  # (step, loss tensor, lr, seconds, data wait) of the steps not yet read back from the device
-
-    def read_back():
-        """One host sync for all pending steps: their losses to the log, and a non-finite one stops all ranks
-        together (all hold the same reduced value), before any checkpoint of those weights is written."""
-        losses = torch.cat([p[1] for p in pending]).tolist() if pending else []
-        for (st, _, lr_, t_, w_), loss_ in zip(pending, losses):
-            if not math.isfinite(loss_):
-                raise FloatingPointError(f"non-finite loss ({loss_}) at step {st}: stopping; no checkpoint of these "
-                                         f"weights is written. Lower blr or raise warmup_steps, and check the data "
-                                         f"for NaN/inf outside dead traces.")
-            if log_file:
-                log_file.write(json.dumps({"step": st, "loss": loss_, "lr": lr_, "step_s": round(t_, 5),
-                                           "wait_s": round(w_, 5)}) + "\n")
-            if tb:
-                tb.add_scalar("loss/train", loss_, st)
-                tb.add_scalar("lr", lr_, st)
-        if log_file:
-            log_file.flush()
-        pending.clear()
-        return losses[-1] if losses else float("nan")
-
-    def validate_at(done):
-        """Evaluate the weights after `done` optimizer steps (the weights training step `done` starts from, and
-        checkpoint step_{done} holds): val_loss to the log, figures, tensorboard."""
-        nonlocal eval_time, t_last
-        if job.val_sampler is None:
-            return
-        read_back()  # the training records up to here are in log.jsonl before loss.png reads it
-        t0 = time.time()
-        val, fig = evaluate.on_job(job, done, log_file)
-        if tb:
-            tb.add_scalar("loss/val", val, done)
-            if fig is not None:
-                tb.add_figure("reconstruction", fig, done)
-            tb.flush()
-        eval_time += time.time() - t0
-        t_last += time.time() - t0  # the next log line's ms/step and samples/s are training's alone
-
-    stopped = None  # the signal that stopped the run, if one did
+    stopped, step = None, start  # the signal that stopped the run, if one did
     try:
         if stop:
-            stop.armed = True  # from here a stop signal is a checkpoint at the next step boundary (checkpoint.py)
+            stop.armed = True  # from here a stop signal is a checkpoint at the next step boundary (infra/stop.py)
         if start == 0:
-            validate_at(0)  # the untrained model: where the curve starts
+            runlog.evaluate(0)  # the untrained model: where the curve starts
         for step in range(start, end):
             t_step = time.time()
-            step_loss, lr, wait, stop_flags = train_step(job, step, batches, stop.local() if stop else 0.0)
-            # (step_s in log.jsonl: host time; on GPU, without a sync per step, the time to queue the step's work.
-            # The log line's ms/step spans a read-back, a sync, so it is the device's time too.)
-            pending.append((step, step_loss, lr, time.time() - t_step, wait))
-            data_time += wait
-            steps_since += 1
+            loss, lr, wait, stop_flags = train_step(job, step, batches, stop.local() if stop else 0.0)
+            runlog.step(step, loss, lr, time.time() - t_step, wait)
             stop_now = stop is not None and stop.agreed(stop_flags)  # the same answer on every rank
-            ckpt_now = (step + 1) % cfg["ckpt_interval"] == 0 or step + 1 == end or stop_now
             if step % cfg["log_interval"] == 0 or step == end - 1 or stop_now:
-                loss_now = read_back()
-                dt = (time.time() - t_last) / steps_since
-                sps = job.global_batch / dt
-                flops = flops_per_sample * sps  # achieved FLOP/s, whole job
-                mem = (torch.cuda.max_memory_allocated() if job.on_gpu
-                       else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 30
-                speed = (f"MFU {100 * flops / (world * cfg['gpu_peak_flops']):.1f}%" if job.on_gpu
-                         else f"{flops / world / 1e9:.2f} GFLOP/s/rank")
-                gbps = (job.sampler.bytes_read() - bytes_last) / (dt * steps_since) / 1e9  # this rank's reads
-                log(f"step {step:5d} | loss {loss_now:.4f} | lr {lr:.3e} | {sps:.2f} samples/s | "
-                    f"{sps * model.L:,.0f} tok/s | {1000 * dt:.0f} ms/step | {speed} | data {gbps:.3f} GB/s/rank, "
-                    f"wait {100 * data_time / (dt * steps_since):.1f}% | peak mem {mem:.2f} GB")
-                t_last, data_time, steps_since, bytes_last = time.time(), 0.0, 0, job.sampler.bytes_read()
+                runlog.line(step, lr)
             if (step + 1) % cfg["eval_interval"] == 0 or step + 1 == cfg["max_steps"]:
-                validate_at(step + 1)  # before the checkpoint: a resume from it does not evaluate it again
-            if ckpt_now:
-                read_back()  # no checkpoint after a non-finite loss
-                n_seen = job.sampler.offset + (step + 1) * job.global_batch  # (offset: see data.Sampler)
-                checkpoint.save(engine, ckpt_dir, step + 1, {"step": step + 1, "config": cfg, "dtype": str(job.dtype),
-                                                            "samples_seen": n_seen, "stores": job.stores_digest},
-                                cfg["keep_ckpts"], rank)
-                log(f"checkpoint step_{step + 1:07d} written to {ckpt_dir}")
+                runlog.evaluate(step + 1)  # before the checkpoint: a resume from it does not evaluate it again
+            if (step + 1) % cfg["ckpt_interval"] == 0 or step + 1 == end or stop_now:
+                runlog.read_back()  # no checkpoint after a non-finite loss
+                save(job, ckpt_dir, step + 1)
                 # a signal that arrived during the write stops here, at this checkpoint
                 stop_now = stop_now or (stop is not None and step + 1 < end and stop.agree_now(job.device))
             if stop_now:  # which signals the ranks got (once, at the stop): launch.sh requeues only after SIGUSR1
-                names = [None] * world
+                names = [None] * job.world
                 torch.distributed.all_gather_object(names, stop.signal)
                 stopped = " and ".join(sorted({n for n in names if n}))
                 break
-        read_back()
-        wall = time.time() - t_run
+        runlog.read_back()
         if job.val_sampler is not None:
-            log(f"evaluation took {eval_time:.1f} s of the loop's {wall:.1f} s ({100 * eval_time / wall:.1f}%)")
+            wall = time.time() - t_run
+            log(f"evaluation took {runlog.eval_s:.1f} s of the loop's {wall:.1f} s ({100 * runlog.eval_s / wall:.1f}%)")
     finally:
         if stop and not stopped:
             stop.armed = False  # the end (or an error): a signal now just ends the process. (After a stop it stays
@@ -538,51 +414,36 @@ def main(argv, stop=None):
         job.sampler.close()
         if job.val_sampler is not None:
             job.val_sampler.close()
-        if tb:
-            tb.close()
+        runlog.close()
     if stopped and step + 1 < cfg["max_steps"]:  # (a stop at the last step is just the end of the run)
         msg = (f"stopped by {stopped} after {step + 1} steps: checkpoint {ckpt_dir}/step_{step + 1:07d} is complete; "
-               f"run the same command again to continue (exit code {checkpoint.RESUMABLE}: stopped, resumable)")
-        if rank == 0:
-            checkpoint.write_stopped(cfg["out_dir"], msg)
+               f"run the same command again to continue (exit code {RESUMABLE}: stopped, resumable)")
+        if job.rank == 0:
+            write_stopped(cfg["out_dir"], msg)
         log(msg)
         torch.distributed.barrier()  # no rank (no node's launch.sh) ends before STOPPED exists
         stop.finished()
-        return checkpoint.RESUMABLE
+        return RESUMABLE
     return 0
 
 
+def save(job, ckpt_dir, done):
+    """The checkpoint of the weights after `done` steps, with what a resume needs (infra/checkpoint.py)."""
+    n_seen = job.sampler.offset + done * job.global_batch  # (offset: see data.Sampler)
+    checkpoint.save(job.engine, ckpt_dir, done, {"step": done, "config": job.cfg, "dtype": str(job.dtype),
+                                                 "samples_seen": n_seen, "stores": job.stores_digest},
+                    job.cfg["keep_ckpts"], job.rank)
+    job.log(f"checkpoint step_{done:07d} written to {ckpt_dir}")
+
+
 def cli(argv):
-    """`python train.py ...`: main(), with bad input or a diverged run as one clear line and an exit code: 0 done,
-    2 bad input, 3 diverged, checkpoint.RESUMABLE (75) stopped by a signal at a complete checkpoint.
-    Under launch.sh (MAE_ERROR_FILE set), each failing rank also appends its first line there, so that
-    launch.sh can end with the first rank's reason rather than with torchrun's traceback."""
-    rank = os.environ.get("RANK", "0")
-    stop = checkpoint.StopRequest() if threading.current_thread() is threading.main_thread() else None
-    try:
-        rc = main(argv, stop)
-    except (configurator.ConfigError, data.DataError, FloatingPointError, ring_attention.CPMismatchError) as e:
-        # bad input or a diverged run: one clear line, non-zero exit, nothing half-written
-        if rank == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        note_error(f"error: {e}" if rank == "0" else f"error: (rank {rank}) {e}")
-        rc = 2 if not isinstance(e, FloatingPointError) else 3
-    except Exception as e:  # a bug, or a failure of a peer: the traceback follows; launch.sh names the first
-        note_error(f"error: (rank {rank}) {type(e).__name__}: {' '.join(str(e).split())[:300]}")
-        raise
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    if rc == checkpoint.RESUMABLE and os.environ.get("MAE_LAUNCHER") == "launch.sh":
+    """`python train.py ...`: main() through infra/cli.py (bad input or a diverged run as one clear line and an exit
+    code), with stop signals turned into a checkpoint and exit code RESUMABLE (75)."""
+    stop = StopRequest() if threading.current_thread() is threading.main_thread() else None
+    rc = run_cli(lambda a: main(a, stop), argv)
+    if rc == RESUMABLE and os.environ.get("MAE_LAUNCHER") == "launch.sh":
         rc = 0  # launch.sh finds STOPPED and exits 75 itself; a non-zero rank would make torchrun report a failure
     return rc
-
-
-def note_error(line):
-    """One line appended to launch.sh's MAE_ERROR_FILE (O_APPEND: the ranks' lines do not interleave)."""
-    path = os.environ.get("MAE_ERROR_FILE")
-    if path:
-        with open(path, "a") as f:
-            f.write(line.replace("\n", " ") + "\n")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from plan import table
+from infra.plan import table
 
 
 # -----------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def _decode_ceiling(path, vol, seconds=1.0):
     whole = (slice(None),) * 3
 
     def work(_):
-        import reader
+        from infra import reader
         crop = np.empty(vol.chunks, dtype=np.float32)
         for raw in raws:
             reader._place(vol.decode, raw, crop, whole, whole)
@@ -72,7 +72,7 @@ def _time_reads(vol, crops, in_flight=None):
     """Seconds to read every crop. in_flight None: plain zarr, vol.arr[crop] one crop after another (zarr
     itself overlaps the chunk GETs inside one read). Otherwise our reader: every crop handed to
     reader.read_crops at once, their requests held to in_flight by vol's ReadOptions (as a micro batch is read)."""
-    import reader
+    from infra import reader
     t = time.perf_counter()
     if in_flight is None:
         for o, c in crops:
@@ -87,10 +87,9 @@ def bench_data(argv):
     import subprocess
     import tempfile
 
-    import reader
-    import synthetic
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
-    from s3_util import MotoS3
+    from infra import reader
+    from infra import synthetic
+    from bench.s3_loopback import MotoS3
 
     # rounds: each level reads at least rounds x in_flight chunks, so that the first round (all requests leave
     # together) and the last (decoding what came, nothing on the wire) are a small part of the time, as in a
@@ -182,7 +181,7 @@ def bench_data(argv):
             qs_url = moto.upload_dir(qs, "bench", "quickstart.mdio")
             run_dir = os.path.join(d, "run")
             env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-            here = os.path.dirname(os.path.abspath(__file__))
+            here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                 os.path.join(here, "train.py"), os.path.join(here, "config/quickstart.py"),
                                 f"--data_paths=['{qs_url}']", f"--s3_endpoint={moto.endpoint}", f"--out_dir={run_dir}",
@@ -210,9 +209,9 @@ def bench_data(argv):
 def _library_worker(argv):
     """One rank's start-up over a library (bench_library), in a process of its own so that its memory is its own:
     argv = [manifest or url-list file, how ("manifest" | "list"), latency_s, in_flight]. Prints one JSON line."""
-    import library
+    from infra import library
     import data
-    import reader
+    from infra import reader
     src, how, lat, in_flight = argv[0], argv[1], float(argv[2]), int(argv[3])
     real = reader.open_node
 
@@ -248,14 +247,14 @@ def bench_library(argv):
     import subprocess
     import tempfile
 
-    import library
-    import synthetic
+    from infra import library
+    from infra import synthetic
     opts = {"latency_ms": 20.0, "stores": (100, 1000), "in_flight": 32, "old": 100}
     import configurator
     configurator.apply(opts, argv)
     lat = opts["latency_ms"] / 1000
     out, rows = {"bench": "library", "latency_ms": opts["latency_ms"]}, []
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as d:
         vols = [synthetic.synthetic_volume((32, 32, 64), seed=i) for i in range(8)]
         urls = []
@@ -268,7 +267,7 @@ def bench_library(argv):
             for how, src in (("manifest", manifest), ("list-index", listing), ("list-serial", listing)):
                 if how == "list-serial" and n > opts["old"]:
                     continue
-                r = subprocess.run([sys.executable, os.path.join(here, "bench_data.py"), "_library_worker", src, how,
+                r = subprocess.run([sys.executable, "-m", "bench.data", "_library_worker", src, how,
                                     str(lat), str(opts["in_flight"])], capture_output=True, text=True, cwd=here,
                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
                 if r.returncode != 0:

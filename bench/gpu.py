@@ -46,12 +46,12 @@ import time
 
 import torch
 
-import bench_gpu_attention
-import bench_gpu_training
-from bench_gpu_attention import _earlier
-from plan import table
+from bench import gpu_attention
+from bench import gpu_training
+from bench.gpu_attention import _earlier
+from infra.plan import table
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = [  # (name, seconds it may take on the GPU)
     ("env", 60), ("nccl", 60), ("self_p2p", 45), ("ops", 90), ("self_ring", 90), ("torch_cp", 60),
     ("big_blocks", 150), ("attention_rates", 120), ("bf16_step", 150),
@@ -73,7 +73,7 @@ def run_section(name, smoke, out_dir):
         torch.set_num_threads(1)
     t = time.perf_counter()
     try:
-        section = getattr(bench_gpu_attention, f"sec_{name}", None) or getattr(bench_gpu_training, f"sec_{name}")
+        section = getattr(gpu_attention, f"sec_{name}", None) or getattr(gpu_training, f"sec_{name}")
         res = section(smoke, dev, out_dir)
     except Exception as e:  # noqa: BLE001 (recorded as this section's failure; the next section runs)
         import traceback
@@ -144,7 +144,7 @@ def main(argv):
             print(f"== {name}: skipped, {left:.0f} s of the budget left", flush=True)
             continue
         print(f"== {name} (up to {limit} s)", flush=True)
-        cmd = [sys.executable, os.path.abspath(__file__), f"--section={name}", f"--out={out_dir}"] + (
+        cmd = [sys.executable, "-m", "bench.gpu", f"--section={name}", f"--out={out_dir}"] + (
             ["--cpu-smoke"] if smoke else [])
         p = subprocess.Popen(cmd, env=env, cwd=HERE, start_new_session=True)  # its own group: a timeout kills all
         try:

@@ -14,9 +14,10 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from plan import table
+from infra.plan import table
+from model import build_model
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def rel_err(a, b):
@@ -53,11 +54,8 @@ def _init_world_1():
     """A process group of one rank on this device (NCCL on the GPU, gloo on CPU), on a free port."""
     import torch.distributed as dist
 
-    import train
-    train.dist_env()
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+    from infra import distributed
+    distributed.init()  # (the runner starts each section without a launcher's variables: a world of 1)
     return dist
 
 
@@ -280,12 +278,12 @@ def sec_big_blocks(smoke, dev, out_dir):
     the measured peak under the planner's bound."""
     import configurator
     import model as M
-    import plan as P
+    from infra import plan as P
     import ring_attention as RA
     dist = _init_world_1()
     cfg = configurator.defaults()
     configurator.apply(cfg, [os.path.join(HERE, "config/big_context.py")])
-    m = P.meta_model(cfg)
+    m = build_model(cfg, device="meta")
     W = 8 if not smoke else 4
     dtype = torch.bfloat16 if not smoke else torch.float32
     via = _self_ring_vias(dev, out_dir)[0]
@@ -380,7 +378,7 @@ def sec_attention_rates(smoke, dev, out_dir):
     times, samples/s and stop lead are off by more; put the measured numbers there)."""
     from torch.nn.attention import SDPBackend
 
-    import plan as P
+    from infra import plan as P
     backends = [None, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
     if smoke:
         rates = attention_rates(dev, N=256, dtype=torch.float32, reps=1, backends=backends[:2])

@@ -15,8 +15,8 @@ import time
 import numpy as np
 import torch
 
-from bench_gpu_attention import HERE, _sync, _timed
-from plan import table
+from bench.gpu_attention import HERE, _sync, _timed
+from infra.plan import table
 
 
 def sec_bf16_step(smoke, dev, out_dir):
@@ -28,7 +28,7 @@ def sec_bf16_step(smoke, dev, out_dir):
     cfg = configurator.defaults()
     configurator.apply(cfg, [os.path.join(HERE, "config/quickstart.py"), "--dtype=bfloat16", "--strategy=zero2",
                              f"--out_dir={out_dir}/bf16_step", f"--data_paths=['{out_dir}/bf16_step/qs.mdio']"])
-    train.validate(cfg)
+    train.check_config(cfg)
     job = train.setup(cfg)
     batches = train.micro_batches(job, 0, steps)
     losses = []
@@ -54,7 +54,7 @@ def sec_bf16_step(smoke, dev, out_dir):
 def sec_memory(smoke, dev, out_dir):
     """The planner's weight/gradient/optimizer terms against the allocator (torch.cuda's counters on the GPU): 1
     rank, bf16, zero2 / zero3 / fsdp2. Pass: every term within 25 % (the CPU tests' tolerance)."""
-    from bench_plan import GPU_MEMORY_CASES, memory_check, memory_table
+    from bench.plan import GPU_MEMORY_CASES, memory_check, memory_table
     cases = GPU_MEMORY_CASES if not smoke else [(c[0], c[1], c[2][:1], c[3]) for c in GPU_MEMORY_CASES]  # (zero2)
     rows, worst = memory_check(cases, device=dev.type)
     memory_table(rows)
@@ -64,7 +64,7 @@ def sec_memory(smoke, dev, out_dir):
 def sec_bf16_strategies(smoke, dev, out_dir, steps=None):
     """zero2 and fsdp2 in bf16 on one device: the same kept-token ids at every step (what reached the model, as
     tests/train_hooks.py records it), losses within 2 % on average (on 2 CPU ranks they agree within 2.4e-5)."""
-    from bench import dtype_runs, rel_deviation
+    from bench.step import dtype_runs, rel_deviation
     steps = steps or (4 if smoke else 20)
     d = os.path.join(out_dir, "bf16_strategies")
 
@@ -109,7 +109,7 @@ def sec_compile(smoke, dev, out_dir):
     """The quickstart eager and with compile=True (each block torch.compile'd) in bf16 on this device, the same
     steps on the same data: time per step side by side, and the losses. Pass: compiled losses within 3e-2 of the
     eager ones (relative; bf16 kernels fused differently round differently)."""
-    from bench import bench_step
+    from bench.step import bench_step
     steps, warmup = (2, 1) if smoke else (10, 3)
     r = bench_step([os.path.join(HERE, "config/quickstart.py"), "--compile_compare=True", "--dtype=bfloat16",
                     f"--out_dir={out_dir}/compile", f"--data_paths=['{out_dir}/compile/qs.mdio']"],
@@ -122,10 +122,11 @@ def sec_compile(smoke, dev, out_dir):
 
 def sec_stop_signal(smoke, dev, out_dir, steps=None):
     """SIGTERM to a 1-device quickstart run (fp32), then the relaunch, against the uninterrupted run. On a GPU the
-    ranks read the agreed stop flag a step late (checkpoint.StopRequest.agreed: no host sync per step): this is
+    ranks read the agreed stop flag a step late (stop.StopRequest.agreed: no host sync per step): this is
     the one place that path runs. Pass: exit 75, one checkpoint in between, the relaunch done, losses equal to
     the uninterrupted run's within 1e-4."""
-    import checkpoint
+    from infra import checkpoint
+    from infra import stop
     steps = steps or (12 if smoke else 40)
     d = os.path.join(out_dir, "stop_signal")
     base = [sys.executable, os.path.join(HERE, "train.py"), os.path.join(HERE, "config/quickstart.py"),
@@ -149,7 +150,7 @@ def sec_stop_signal(smoke, dev, out_dir, steps=None):
     a, b = losses("full"), losses("stop")
     diff = max(abs(a[s] - b.get(s, float("nan"))) / abs(a[s]) for s in a) if len(a) == len(b) else float("nan")
     res = {"rc": p.returncode, "records_before_signal": seen, "checkpoints": done, "relaunch_rc": again.returncode,
-           "max_rel_diff": diff, "ok": p.returncode == checkpoint.RESUMABLE and len(done) == 1 and 0 < done[0] < steps
+           "max_rel_diff": diff, "ok": p.returncode == stop.RESUMABLE and len(done) == 1 and 0 < done[0] < steps
            and again.returncode == 0 and diff <= 1e-4}
     print(f"stop signal: SIGTERM after {seen} logged steps -> exit {p.returncode}, checkpoints {done}; relaunch exit "
           f"{again.returncode}; largest relative loss difference from the uninterrupted run {diff:.2e}")
@@ -173,9 +174,9 @@ def sec_embed(smoke, dev, out_dir, steps=None):
     assert r.returncode == 0, r.stderr[-2000:]
     rates, feats = {}, {}
     for where, env in (("device", os.environ), ("cpu", dict(os.environ, CUDA_VISIBLE_DEVICES=""))):
-        e = subprocess.run([sys.executable, os.path.join(HERE, "embed.py"), f"{d}/run", f"{d}/qs.mdio",
+        e = subprocess.run([sys.executable, "-m", "scripts.embed", f"{d}/run", f"{d}/qs.mdio",
                             f"--out={d}/{where}.zarr", "--dtype=float32"], env=env, capture_output=True, text=True,
-                           timeout=600)
+                           timeout=600, cwd=HERE)
         assert e.returncode == 0, e.stderr[-2000:]
         rates[where] = json.loads(e.stdout.strip().splitlines()[-1])["tokens_per_s"]
         feats[where] = np.asarray(zarr.open_group(f"{d}/{where}.zarr", mode="r")["features"][:])

@@ -16,7 +16,9 @@ import sys
 
 import torch
 
-from plan import activation_bytes, meta_model, param_counts, report, state_bytes, step_bytes, table
+from infra.plan import activation_bytes, param_counts, state_bytes, step_bytes, table
+from model import build_model
+from scripts.plan import config_plan, report
 
 
 
@@ -79,7 +81,7 @@ def calibrate():
     from torch.profiler import ProfilerActivity, profile
 
     import ring_attention as RA
-    from plan import ring_bytes
+    from infra.plan import ring_bytes
 
     def walk(events):
         for ev in events:
@@ -126,9 +128,9 @@ def _memory_worker(argv):
     import configurator
     import train
     torch.set_num_threads(1)
-    cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+    cfg = configurator.defaults()
     configurator.apply(cfg, argv)
-    train.validate(cfg)
+    train.check_config(cfg)
     steps = 3  # step 0 creates Adam's state; steps 1 and 2 are alike; we read step 2
     if torch.cuda.is_available():  # on a GPU (bench_gpu.py): the caching allocator's own counters
         job = train.setup(cfg)
@@ -249,24 +251,23 @@ def memory_check(cases=MEMORY_CASES, device="cpu"):
     import tempfile
 
     import configurator
-    import train
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     base = [os.path.join(here, MEMORY_BASE[0]), *MEMORY_BASE[1:]]
     on_gpu = device == "cuda"
 
     def run(ranks, strategy, extra):  # -> (measured, planned): dicts of the four terms, in bytes
-        cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+        cfg = configurator.defaults()
         configurator.apply(cfg, base + extra)
-        m = meta_model(cfg)
+        m = build_model(cfg, device="meta")
         elem = 2 if cfg["dtype"] == "bfloat16" or (cfg["dtype"] == "auto" and on_gpu) else 4
         act = sum(activation_bytes(m, cfg["micro_batch"], 1, elem, cfg["grad_ckpt"]))
         planned = step_bytes(state_bytes(param_counts(m), strategy, ranks, elem, cfg, on_gpu=on_gpu), act)
         with tempfile.TemporaryDirectory() as d:
-            env = dict(os.environ, OMP_NUM_THREADS="1", MEMORY_OUT=os.path.join(d, "rank"))
+            env = dict(os.environ, OMP_NUM_THREADS="1", MEMORY_OUT=os.path.join(d, "rank"), PYTHONPATH=here)
             if not on_gpu:  # CUDA hidden: on a GPU machine train.setup would otherwise train there
                 env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
             r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                f"--nproc_per_node={ranks}", os.path.join(here, "bench_plan.py"), "_memory_worker",
+                                f"--nproc_per_node={ranks}", "-m", "bench.plan", "_memory_worker",
                                 *base, *extra, f"--strategy={strategy}", f"--out_dir={os.path.join(d, 'o')}"],
                                env=env, capture_output=True, text=True, cwd=d, timeout=300)
             if r.returncode != 0:
@@ -303,10 +304,9 @@ def memory_table(rows):
 
 def bench_plan(argv):
     """The plan of a config (plan.py) with the checks of its terms on this machine, JSON last."""
-    import plan as P
     import train
-    cfg, p = P.config_plan(argv)
-    train.validate(cfg)
+    cfg, p = config_plan(argv)
+    train.check_config(cfg)
     report(p, " ".join(a for a in argv if not a.startswith("--")) or "defaults")
     crow, worst = calibrate()
     print("\nplanner terms vs measurements on small configs (fp32, this machine):")

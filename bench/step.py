@@ -1,18 +1,9 @@
 """
-The measured numbers. Each subcommand prints a table, then one JSON line as the last line of output.
-
-    python bench.py step config/quickstart.py [--key=value ...]   training-step throughput vs matmul peak
-    python bench.py attention [--n=16384] [--ranks=2] [--only=ring] full SDPA vs ring vs torch CP, per rank
-    python bench_gpu.py                                            every GPU check (gpu_check.sh runs it)
-    python bench.py data [--latency_ms=20] [--crops=128]           our reader vs a plain zarr read; S3 training
-    python bench.py library [--stores=(100,1000)]                  start-up and memory per rank vs library size
-    python bench.py plan CONFIG [--key=value ...]                  will it fit and how fast: the analytic planner
-    python bench.py strategies CONFIG [--key=value ...]            zero2 vs zero3 vs fsdp2 on 2 ranks here
-    python bench.py embed                                          embed.py's tokens/s beside training's
-
-Speed is shown here, side by side in one run, never asserted in tests: the machine is noisy, ratios
-measured together are what carry over.
+Training-path measurements: the step's throughput against the matmul peak, attention (full SDPA against the
+ring and PyTorch's ring), the strategies side by side, bf16 against fp32, and embedding's tokens/s beside
+training's. `python -m bench step|attention|strategies|bf16|embed ...` runs them (bench/__main__.py).
 """
+
 
 import json
 import os
@@ -21,9 +12,8 @@ import time
 
 import torch
 
-from bench_data import bench_data, bench_library  # (the reader's and the library's benches: bench_data.py)
-from bench_plan import bench_plan  # (the planner's checks: bench_plan.py)
-from plan import activation_bytes, meta_model, table
+from infra.plan import activation_bytes, table
+from model import build_model
 
 
 def matmul_flops(device, dtype, n=2048, iters=10):
@@ -52,12 +42,12 @@ def bench_step(argv, warmup=3, steps=10):
     happens in the warm-up steps and is timed apart), side by side; the ratio in the JSON line."""
     import configurator
     import train
-    cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+    cfg = configurator.defaults()
     extra = {"ckpt_sweep": False, "compile_compare": False}
     args = [a for a in argv if not any(a.startswith(f"--{k}=") for k in extra)]
     configurator.apply(extra, [a for a in argv if a not in args])
     configurator.apply(cfg, args)
-    train.validate(cfg)
+    train.check_config(cfg)
     if extra["ckpt_sweep"]:
         return _ckpt_sweep(cfg, args, warmup, steps)
     if extra["compile_compare"]:
@@ -80,13 +70,11 @@ def bench_step(argv, warmup=3, steps=10):
 
 
 def _ckpt_sweep(cfg, argv, warmup, steps):
-    import plan as P
-    n_blocks = len(meta_model(cfg).ckpt_order())
+    n_blocks = len(build_model(cfg, device="meta").ckpt_order())
     rows, out = [], {"bench": "step_ckpt", "config": argv[0] if argv else "defaults", "blocks": n_blocks}
     for name, ckpt in (("none", 0), ("half", n_blocks // 2), ("all", n_blocks)):
         c = {**cfg, "grad_ckpt": ckpt > 0, "ckpt_blocks": ckpt}
-        m = meta_model(c)
-        m.set_grad_ckpt(P.ckpt_arg(c))
+        m = build_model(c, device="meta", train=True)
         act = sum(activation_bytes(m, c["micro_batch"], c["cp"], 4 if c["dtype"] != "bfloat16" else 2))
         r = _time_steps(c, argv, warmup, steps, quiet=True)
         executed = m.flops_per_sample() + m.recompute_flops()
@@ -252,7 +240,7 @@ def bench_embed(argv, steps=20):
     quickstart run of `steps` steps is trained first, and embed.py encodes the whole volume with its checkpoint."""
     import subprocess
     import tempfile
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else ""))
     with tempfile.TemporaryDirectory() as d:
         qs = [os.path.join(here, "config/quickstart.py"), f"--data_paths=['{d}/qs.mdio']", "--make_synthetic=True",
@@ -264,7 +252,7 @@ def bench_embed(argv, steps=20):
             raise SystemExit(f"training for bench embed failed: {r.stderr[-2000:]}")
         runs = {}
         for name, extra in (("one", ["--batch=1"]), ("batched", [])):  # one window per forward, then embed.py's default
-            e = subprocess.run([sys.executable, os.path.join(here, "embed.py"), f"{d}/run", f"{d}/qs.mdio",
+            e = subprocess.run([sys.executable, "-m", "scripts.embed", f"{d}/run", f"{d}/qs.mdio",
                                 f"--out={d}/features_{name}.zarr", *extra], env=env, capture_output=True, text=True,
                                cwd=here)
             if e.returncode != 0:
@@ -295,7 +283,7 @@ def run_2ranks(argv, out, script="train.py", env=None, nproc=2):
     """train.py (or a wrapper of it, as the tests' train_hooks.py) on 2 CPU ranks (gloo, 1 thread each), writing to
     out; on a GPU machine on nproc GPUs. Returns (its log.jsonl rows, its stdout)."""
     import subprocess
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     e = dict(env or os.environ)
     if not torch.cuda.is_available():
         e.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
@@ -368,15 +356,3 @@ def bench_bf16(argv, steps=40):
     table(rows, ["strategy (bf16)", "mean |rel. dev.| from fp32", "max", "vs fsdp2", "loss at last step"])
     return {"bench": "bf16", "config": argv[0] if argv else None, "steps": steps,
             **{f"{s}_mean_rel_dev": float(f"{m:.3e}") for s, (m, _) in dev.items()}}
-
-
-if __name__ == "__main__":
-    cmds = {"strategies": bench_strategies, "plan": bench_plan, "step": bench_step, "attention": bench_attention, "data": bench_data,
-            "library": bench_library, "bf16": bench_bf16, "embed": bench_embed}
-    if len(sys.argv) < 2 or sys.argv[1] not in cmds:
-        print(f"usage: python bench.py {{{'|'.join(cmds)}}} [CONFIG] [--key=value ...]", file=sys.stderr)
-        sys.exit(2)
-    result = cmds[sys.argv[1]](sys.argv[2:])
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    print(json.dumps(result))

@@ -6,8 +6,6 @@ Checkpoints: save, find and resume, for every strategy (train.py's engines: Deep
     resume(engine, cfg, ckpt_dir, world, dtype, log)        load the newest complete one: (its step, samples seen),
                                                             (0, 0) for none, or (None, None) if the run is done
     to_universal(ckpt_dir, tag, log)                        ZeRO state -> DeepSpeed's universal checkpoint (once)
-    on_rank_0(work)                                         work() on rank 0, the others waiting; its result on all
-    StopRequest()                                           SIGTERM / SIGUSR1 -> a checkpoint, exit RESUMABLE (75)
 
 A checkpoint is out_dir/ckpt/step_NNNNNNN/ as the engine writes it, plus a COMPLETE marker written (atomically,
 after every shard is flushed to disk) only once every rank has saved. Resume takes the newest complete one, so
@@ -22,17 +20,12 @@ parameter: fp32 weight, exp_avg, exp_avg_sq, step) inside the checkpoint, step_N
 ranks loads (DeepSpeed's load_universal). A changed global batch is refused unless allow_batch_change=True: then the
 data stream continues at the next unseen sample (samples_seen, kept in every checkpoint).
 
-A stop signal (SIGTERM: SLURM's time limit and preemption, a scheduler's kill; SIGUSR1: SLURM's warning before
-the time limit, which launch.sh asks for) is a request: the ranks agree at the next step boundary, write a
-complete checkpoint of that step, out_dir/STOPPED says so, and they exit RESUMABLE. Running the same command
-again continues exactly where the run stopped.
+Stop signals become a checkpoint of this kind: stop.py.
 """
-import datetime
 import errno
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -40,6 +33,7 @@ import time
 import torch
 
 import configurator
+from infra.distributed import on_rank_0
 
 
 def complete_checkpoints(ckpt_dir):
@@ -275,27 +269,6 @@ def _agreed(engine, why):
     return ok.item() == 1.0
 
 
-def on_rank_0(work):
-    """All ranks: work() runs on rank 0 while the others wait; returns its result (picklable) on every rank. Bad input
-    found there (a ValueError: ConfigError, data.DataError) is raised on every rank as it was. The others wait on a
-    gloo group of their own with a long timeout: the work (converting or exporting the state of 1.6 B parameters,
-    indexing a library of stores) takes minutes, longer than a training collective should ever be allowed to hang.
-    Any other failure ends rank 0, and the launcher then ends the rest."""
-    dist = torch.distributed
-    wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))  # (collective: before the work)
-    box = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = work()
-        except ValueError as e:
-            box[1] = e
-    dist.broadcast_object_list(box, src=0, group=wait)
-    dist.destroy_process_group(wait)
-    if box[1] is not None:
-        raise box[1]
-    return box[0]
-
-
 def to_universal(ckpt_dir, tag, log):
     """All ranks: the universal checkpoint of the ZeRO checkpoint ckpt_dir/tag, at ckpt_dir/tag/universal, made once
     by rank 0 with DeepSpeed's own converter (python -m deepspeed.checkpoint.ds_to_universal). Returns its path.
@@ -426,87 +399,3 @@ def unreadable_files(path):
         if size == 0 or (name.endswith(".pt") and not zipfile.is_zipfile(f)) or size < ends.get(name, 0):
             bad.append(name)
     return bad
-
-
-# -----------------------------------------------------------------------------
-# stop signals
-
-RESUMABLE = 75  # exit code: stopped cleanly at a complete checkpoint; run the same command again to continue
-#                 (sysexits.h's EX_TEMPFAIL, "a temporary failure: the user is invited to retry")
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-class StopRequest:
-    """SIGTERM and SIGUSR1 on this rank, turned into a stop that all ranks agree on at a step boundary.
-
-    The handler only notes the signal (a Python handler runs between bytecodes of the main thread; nothing can be
-    saved from inside it), so a step or a checkpoint write in progress finishes first. Repeats are ignored: under
-    SLURM every process of the step gets the signal and launch.sh forwards it to the ranks as well, so one stop
-    arrives as two. The hard stop is SIGKILL (SLURM's KillWait after SIGTERM): a checkpoint cut short by it has no
-    COMPLETE marker, so resume never takes it. Outside training (start-up, an evaluation-only run, after the last
-    step) there is nothing to save: a signal then ends the process as if no handler were installed.
-
-    Agreement: each rank puts its flag into the all-reduce the step already does for the loss (train_step); the
-    sum is the same on every rank, so all stop after the same step. Reading that sum on the host is a sync; on a
-    GPU it is therefore copied without blocking and read one step later (`agreed`), when it has long arrived:
-    the stop comes one step later, and no step waits. After a checkpoint write (rare, and a sync anyway) the
-    ranks agree once more (`agree_now`), so a signal that arrived during the write stops at that checkpoint."""
-
-    def __init__(self):
-        self.signal, self.armed, self._pending = None, False, None
-        for s in STOP_SIGNALS:
-            signal.signal(s, self._on_signal)
-
-    def _on_signal(self, signum, frame):
-        if not self.armed:  # nothing to save: die of the signal, as without this handler
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        if self.signal is None:
-            self.signal = signal.Signals(signum).name
-            rank = os.environ.get("RANK", "0")  # (os.write: a print() inside a handler may re-enter its lock)
-            os.write(2, f"rank {rank}: {self.signal} received: stopping at the next step boundary with a "
-                        f"checkpoint\n".encode())
-
-    def finished(self):
-        """The stop is complete (checkpoint and STOPPED written): further stop signals are ignored, to the end of the
-        process. A repeat can arrive late (over ssh, say); with the default action restored it would kill the rank
-        while it exits, and torchrun would report a failure (on multi-node, hold the others at its exit barrier).
-        Python's shutdown leaves an ignored signal ignored."""
-        for s in STOP_SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
-
-    def local(self):
-        """This rank's flag, for the step's all-reduce: 1.0 once a stop signal arrived."""
-        return 1.0 if self.signal else 0.0
-
-    def agreed(self, total):
-        """True when the ranks agree to stop after this step. `total`: the step's all-reduced flags (a 1-element
-        tensor). On CPU it is read now; on a GPU the previous step's is read (see the class docstring)."""
-        if total.device.type != "cuda":
-            return total.item() > 0
-        host = torch.empty(1, pin_memory=True)
-        host.copy_(total, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        previous, self._pending = self._pending, (host, event)
-        if previous is None:
-            return False
-        previous[1].synchronize()
-        return previous[0].item() > 0
-
-    def agree_now(self, device):
-        """One small all-reduce of the flags, read at once: after a checkpoint write."""
-        t = torch.tensor([self.local()], device=device)
-        torch.distributed.all_reduce(t)
-        return t.item() > 0
-
-
-def write_stopped(out_dir, message):
-    """out_dir/STOPPED (rank 0, after the checkpoint is complete): the one line launch.sh repeats last."""
-    tmp = os.path.join(out_dir, "STOPPED.tmp")
-    with open(tmp, "w") as f:
-        f.write(message + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(out_dir, "STOPPED"))

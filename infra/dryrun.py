@@ -12,10 +12,12 @@ import os
 
 import torch
 
-import checkpoint
+from infra import checkpoint
+
+from infra import stop
 import configurator
-import export
-import plan
+from infra import modelfile
+from infra import plan
 
 
 def check_launch(cfg):
@@ -47,8 +49,8 @@ def check_launch(cfg):
                     "is there)" if os.path.exists(os.path.join(ckpt_dir, done[-1][1], "universal", "COMPLETE")) else
                     "is made once, at start-up)"))))
     elif cfg["init_from"]:
-        src, what = export.init_source(cfg["init_from"])
-        export.check_init(src, cfg, cfg["init_from"])
+        src, what = modelfile.init_source(cfg["init_from"])
+        modelfile.check_init(src, cfg, cfg["init_from"])
         print(f"init_from: {what}, a {src['model_size']} MAE trained on {tuple(src['crop'])} crops: fits this run "
               f"({tuple(cfg['crop'])} crops); a warm start at step 0 with a fresh optimizer")
     if cp > gpn:
@@ -74,7 +76,7 @@ def check_launch(cfg):
                                f"~{p['samples_per_s_full_ckpt']:.2f}" if fit is not None else
                                "none fits, even with every block checkpointed"))
     lead = cfg["stop_lead_s"] or p["stop_lead_s"]
-    print(f"stop: under SLURM, SIGUSR1 {lead} s before the time limit -> checkpoint, exit {checkpoint.RESUMABLE}"
+    print(f"stop: under SLURM, SIGUSR1 {lead} s before the time limit -> checkpoint, exit {stop.RESUMABLE}"
           f"{' (stop_lead_s)' if cfg['stop_lead_s'] else ''}; the planner's need: 60 s + 1.5 x (2 steps of "
           f"{p['step_s']:.1f} s + an evaluation of {p['eval_s']:.1f} s + a {p['ckpt_gb']:.1f} GB checkpoint in "
           f"{p['ckpt_s']:.1f} s at {cfg['ckpt_write_gbps']} GB/s) = {p['stop_lead_s']} s")

@@ -26,12 +26,12 @@ import math
 import os
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import data
 import model as M
-import reconstruct
 
 
 def assignment(n, dp_rank, dp_size, micro_batch):
@@ -46,7 +46,7 @@ def assignment(n, dp_rank, dp_size, micro_batch):
 def run(forward, model, sampler, seed, n, device, dtype, micro_batch, cp_rank=0, cp=1, dp_rank=0, dp_size=1,
         want_slices=False):
     """The validation loss over samples 0..n-1 (every rank gets it), the per-sample losses, and on global rank 0
-    with want_slices the centre slices of sample 0 ({name: (3, a, b)}, reconstruct.centre_parts), else None.
+    with want_slices the centre slices of sample 0 ({name: (3, a, b)}, centre_parts), else None.
     forward(x, ids_keep=...) -> (loss, pred, mask): the training engine (in eval mode) or a plain model.MAE.
     Every rank of the job must call this (it ends in collectives)."""
     masked_count = model.L - model.n_keep()  # per sample, over all its cp ranks
@@ -67,8 +67,8 @@ def run(forward, model, sampler, seed, n, device, dtype, micro_batch, cp_rank=0,
                 sums[i] += s.double() / masked_count
         if want_slices and dp_rank == 0 and parts is None and ids[0] == 0:  # sample 0 leads dp group 0's first batch
             # the slab's voxel views stay on the device and are dropped at once: only the slices are kept
-            views, Z_loc = reconstruct.voxel_views(model, x, pred, mask), x.shape[2]
-            parts = reconstruct.centre_parts(*views, cp_rank * Z_loc, cp * Z_loc)
+            views, Z_loc = voxel_views(model, x, pred, mask), x.shape[2]
+            parts = centre_parts(*views, cp_rank * Z_loc, cp * Z_loc)
             del views
     slices = None
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -77,9 +77,9 @@ def run(forward, model, sampler, seed, n, device, dtype, micro_batch, cp_rank=0,
             got = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
             dist.gather_object(parts, got, dst=0)
             if dist.get_rank() == 0:
-                slices = reconstruct.join_parts(got[:cp])
+                slices = join_parts(got[:cp])
     elif want_slices:
-        slices = reconstruct.join_parts([parts])
+        slices = join_parts([parts])
     per_sample = sums.tolist()
     return sum(per_sample) / n, per_sample, slices
 
@@ -107,12 +107,145 @@ def on_job(job, step, log_file):
         fig_dir = os.path.join(cfg["out_dir"], "figures")
         v, origin = job.val_sampler.locate(0)
         store = os.path.basename(job.val_sampler.records[v]["url"].rstrip("/"))
-        title = reconstruct.figure_title(f"validation sample 0: {store}, crop {tuple(cfg['crop'])} at {origin}", step,
+        title = figure_title(f"validation sample 0: {store}, crop {tuple(cfg['crop'])} at {origin}", step,
                                          per[0], 1 - job.model.n_keep() / job.model.L, cfg["norm_pix_loss"])
-        fig = reconstruct.recon_figure(os.path.join(fig_dir, f"recon_step_{step:07d}.png"), slices, origin, title)
+        fig = recon_figure(os.path.join(fig_dir, f"recon_step_{step:07d}.png"), slices, origin, title)
         if log_file:
-            reconstruct.loss_figure(os.path.join(fig_dir, "loss.png"), log_file.name)
+            loss_figure(os.path.join(fig_dir, "loss.png"), log_file.name)
     job.log(f"step {step:5d} | val loss {val:.4f} over {cfg['eval_samples']} held-out samples | "
             f"{time.time() - t0:.2f} s")
     return val, fig
 
+
+# -----------------------------------------------------------------------------
+# the slices through a crop's centre (under context parallelism each rank holds a slab of inline planes)
+
+ROWS = (("inline", "crossline", "time sample"),  # the inline slice: crossline across, time down
+        ("crossline", "inline", "time sample"),  # the crossline slice: inline across, time down
+        ("time", "inline", "crossline"))  # the time slice (map view): inline across, crossline down
+
+
+def centre_parts(x, recon, masked, z0, Z):
+    """This rank's pieces of the three centre slices. x, recon (Z_loc, Y, X) float, masked (Z_loc, Y, X) bool,
+    tensors on any device (voxel_views) or numpy: the rank's slab of inline planes [z0, z0 + Z_loc) of a crop Z
+    planes deep. Returns {name: (3, a, b) numpy array of original, reconstruction, mask} with the inline slice
+    only on the rank that holds plane Z // 2, and the crossline and time slices cut to this slab's planes. A few
+    MB per rank, never the slab: the slices are cut where the slab is (a GPU) and only they come to the host,
+    and under cp only they travel to rank 0."""
+    zc, yc, xc = Z // 2, x.shape[1] // 2, x.shape[2] // 2
+
+    def host(a):  # one cut slice -> float32 numpy (the same values whether it was cut from a tensor or an array)
+        return a.float().cpu().numpy() if torch.is_tensor(a) else np.asarray(a, dtype=np.float32)
+    stack = lambda sel: np.stack([host(a[sel]) for a in (x, recon, masked)])  # noqa: E731
+    out = {"crossline": stack(np.s_[:, yc, :]), "time": stack(np.s_[:, :, xc])}
+    if z0 <= zc < z0 + x.shape[0]:
+        out["inline"] = stack(np.s_[zc - z0])
+    return out
+
+
+def join_parts(parts):
+    """The pieces of every cp rank, in rank order -> {name: (3, a, b)}: the crossline and time slices joined
+    along inline, the inline slice from the rank that holds it."""
+    out = {"crossline": np.concatenate([p["crossline"] for p in parts], axis=1),
+           "time": np.concatenate([p["time"] for p in parts], axis=1)}
+    out["inline"] = next(p["inline"] for p in parts if "inline" in p)
+    return out
+
+
+def voxel_views(model, x, pred, mask):
+    """Sample 0 of a batch as voxels: (x in its own dtype, reconstruction float, masked bool) each (Z_loc, Y, X),
+    tensors on the device of the inputs (no host copy: a slab is GBs at long context; centre_parts cuts the
+    slices there). x (B, 1, Z_loc, Y, X) the model's input slab, pred (B, L_loc, P), mask (B, L_loc) with
+    1 = masked (the model's outputs)."""
+    import model as M
+    gz, gy, gx = x.shape[2] // model.patch[0], x.shape[3] // model.patch[1], x.shape[4] // model.patch[2]
+    patches = M.patchify(x[:1].float(), model.patch)
+    recon = M.unpatchify(M.pred_to_voxels(pred[:1], patches, model.norm_pix_loss), model.patch, (gz, gy, gx))
+    m = M.unpatchify(mask[:1, :, None].expand(-1, -1, model.P).float(), model.patch, (gz, gy, gx)) > 0.5
+    return x[0, 0], recon[0, 0], m[0, 0]
+
+
+# -----------------------------------------------------------------------------
+# figures (matplotlib is imported here only, with the Agg backend: no display, no pyplot state)
+
+
+def recon_figure(path, slices, origin, title):
+    """Write the 3 x 4 panel figure to `path` (PNG) and return the matplotlib Figure (tensorboard takes it).
+    slices: {inline|crossline|time: (3, a, b) original, reconstruction, mask}, in crop coordinates; origin:
+    the crop's origin in the volume, so that the axes read in volume indices."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    # a fixed grid (constrained layout would double the drawing time: it is spent at every evaluation)
+    fig = Figure(figsize=(13, 9.5), dpi=64)
+    axes = fig.subplots(3, 4, gridspec_kw=dict(left=0.05, right=0.99, bottom=0.05, top=0.88, wspace=0.12,
+                                               hspace=0.42))
+    cmap = matplotlib.colormaps["gray"].with_extremes(bad="#e9d8a6")  # masked patches: a colour no amplitude has
+    # the axis of the volume behind each slice's two image axes (0 inline, 1 crossline, 2 time)
+    axis_of = {"inline": (1, 2), "crossline": (0, 2), "time": (0, 1)}
+    for row, (name, across, down) in zip(axes, ROWS):
+        orig, recon, mask = slices[name]
+        mask = mask > 0.5
+        clip = float(np.percentile(np.abs(orig), 99)) or 1.0  # one symmetric clip for the row
+        a, b = axis_of[name]
+        extent = (origin[a] - 0.5, origin[a] + orig.shape[0] - 0.5, origin[b] + orig.shape[1] - 0.5, origin[b] - 0.5)
+        panels = (("original", orig), ("masked input", np.where(mask, np.nan, orig)),
+                  ("reconstruction", recon), ("reconstruction + visible", np.where(mask, recon, orig)))
+        for ax, (label, img) in zip(row, panels):
+            # (a, b) -> imshow wants rows = the downward axis: transpose
+            ax.imshow(img.T, cmap=cmap, vmin=-clip, vmax=clip, extent=extent, aspect="auto", interpolation="nearest")
+            ax.set_title(f"{name} slice: {label}", fontsize=9)
+            ax.set_xlabel(across, fontsize=8)
+            ax.tick_params(labelsize=7)
+            if ax is row[0]:
+                ax.set_ylabel(down, fontsize=8)
+            else:  # the row shares its axes: numbers once, on the left
+                ax.tick_params(labelleft=False)
+    fig.suptitle(title, fontsize=10)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    return fig
+
+
+def read_losses(log_path):
+    """(train, val) from a run's log.jsonl: {step: loss}, the last record of each step winning (a resumed run
+    re-runs the steps after its checkpoint and logs them again)."""
+    train, val = {}, {}
+    with open(log_path) as f:
+        for line in f:
+            r = json.loads(line)
+            if "loss" in r:
+                train[r["step"]] = r["loss"]
+            if "val_loss" in r:
+                val[r["step"]] = r["val_loss"]
+    return train, val
+
+
+def loss_figure(path, log_path):
+    """Train and validation loss against step, log scale, from log.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    train, val = read_losses(log_path)
+    fig = Figure(figsize=(7, 4), dpi=64, layout="tight")
+    ax = fig.subplots()
+    if train:
+        ax.plot(sorted(train), [train[s] for s in sorted(train)], lw=1, label="train (per step)")
+    if val:
+        ax.plot(sorted(val), [val[s] for s in sorted(val)], "o-", ms=4, label="validation (held out)")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("masked MSE")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    return fig
+
+
+def figure_title(what, step, mse, mask_ratio, norm_pix):
+    t = f"{what} | step {step} | mask ratio {mask_ratio:.2f} | masked MSE {mse:.4f}"
+    if norm_pix:
+        t += ("\nnorm_pix_loss: the prediction is shown de-normalised with each target patch's own mean and std "
+              "(the MSE is in normalised-patch units)")
+    return t

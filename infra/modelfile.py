@@ -1,22 +1,13 @@
 """
-Export: one model file out of any complete checkpoint, whatever wrote it (ZeRO-2, ZeRO-3, FSDP2; any rank count).
-
-    python export.py OUT_DIR                      # the newest complete checkpoint -> OUT_DIR/model_step_NNNNNNN.pt
-    python export.py OUT_DIR --tag=step_500       # another one (step_0000500, step_500 and 500 all name it)
-    python export.py OUT_DIR --encoder_only       # the encoder alone  -> OUT_DIR/model_step_NNNNNNN_encoder.pt
-    python export.py OUT_DIR --out=PATH           # elsewhere (a directory: the default name inside it)
-    python export.py --check=FILE                 # load a model file as load() does (strict) and say what it is
-
-It prints the file's path (and nothing else) on stdout, so `M=$(python export.py out/run)` works; what it did
-goes to stderr. From Python:
+The model file: one file of weights out of any complete checkpoint, whatever wrote it (ZeRO-2, ZeRO-3, FSDP2; any
+rank count), and everything that reads one back. `python -m scripts.export OUT_DIR` writes one (scripts/export.py).
 
     find_checkpoint(out_dir, tag=None)            -> (ckpt_dir, tag, meta)   ckpt_dir = out_dir/ckpt, meta = COMPLETE
     state_dict_from_checkpoint(out_dir, tag=None) -> (state_dict, meta)      the MAE's full fp32 weights, in memory
     export(out_dir, tag=None, out=None, encoder_only=False) -> path         the file
-    build_model(cfg, device=None)                 -> the config's MAE (as train.setup builds it; not seeded)
     read_model_file(path, map_location="cpu")     -> (state_dict, meta)      a file's weights, format checked
     load(path_or_obj, map_location="cpu")         -> (model, meta)           the config's MAE with the file's weights
-    init_source(path), check_init(src, cfg, where), warm_start(model, path, cfg)   train.py's init_from=PATH
+    init_from(model, cfg, log)                    train.py's init_from=PATH (init_source, check_init, warm_start)
 
 The file is one torch.save of tensors and plain types only, so it loads with torch.load(path, weights_only=True)
 (no code runs on load, no DeepSpeed or distributed setup is needed):
@@ -36,7 +27,6 @@ fp32 moments per weight: 13 GB at 1.6 B parameters) is never read. Host memory: 
 for ZeRO (DeepSpeed concatenates each rank's partition into one flat vector; each tensor is then copied out of
 it, so that a file never carries the vector's other bytes: an encoder-only file would hold the decoder too).
 """
-import argparse
 import contextlib
 import json
 import math
@@ -46,9 +36,9 @@ import warnings
 
 import torch
 
-import checkpoint
 import configurator
-from model import MODELS
+from infra import checkpoint, distributed
+from model import build_model
 
 FORMAT, VERSION = "seismic-mae", 1
 # the MAE's top-level parts (model.MAE.__init__). Every weight belongs to exactly one of them: a part added to
@@ -113,17 +103,6 @@ def find_checkpoint(out_dir, tag=None):
 
 # -----------------------------------------------------------------------------
 # 2. the full fp32 state dict, through DeepSpeed's or PyTorch's own readers
-
-
-def build_model(cfg, device=None):
-    """The MAE of a run's config, built as train.setup builds it (not seeded here: train.setup seeds with
-    cfg["seed"] first; seed before calling this to get the run's init). `device="meta"`: shapes only, no memory.
-    grad_ckpt is left off: it only changes how training recomputes activations (model.set_grad_ckpt to train with it)."""
-    patch, crop = tuple(cfg["patch"]), tuple(cfg["crop"])
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        return MODELS[cfg["model_size"]](grid=tuple(c // p for c, p in zip(crop, patch)), patch=patch,
-                                         mask_ratio=cfg["mask_ratio"], norm_pix_loss=cfg["norm_pix_loss"],
-                                         mask_strata=cfg.get("mask_strata") or cfg.get("cp", 1))
 
 
 def part(key):
@@ -407,48 +386,18 @@ def warm_start(model, path, cfg, name=None):
             f"fresh optimizer")
 
 
-# -----------------------------------------------------------------------------
-
-
-def main(argv):
-    ap = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n")[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out_dir", nargs="?", help="a run's out_dir (its checkpoints are in out_dir/ckpt)")
-    ap.add_argument("--tag", default=None, help="a checkpoint: step_0000500, step_500 or 500 (default: the newest)")
-    ap.add_argument("--out", default=None, help="the file (default: OUT_DIR/model_step_NNNNNNN[_encoder].pt)")
-    ap.add_argument("--encoder_only", action="store_true", help="the encoder's weights only, no decoder")
-    ap.add_argument("--check", default=None, metavar="FILE", help="load a model file (strict) and describe it")
-    a = ap.parse_args(argv)
-    if bool(a.out_dir) == bool(a.check):
-        ap.error("give a run's OUT_DIR, or --check=FILE")
-    if a.check:
-        model, meta = load(a.check)
-        n = sum(p.numel() for p in model.parameters())
-        src = meta.get("source") or {}
-        print(f"{a.check}: {FORMAT} v{meta['version']}, MAE {meta['config']['model_size']} "
-              f"({'encoder only, ' if model.encoder_only else ''}{n / 1e6:.2f} M params), patch "
-              f"{tuple(meta['config']['patch'])}, step {meta['step']}, from {src.get('strategy')} on "
-              f"{src.get('world')} ranks in {src.get('dtype')}: loads strictly")
-        return 0
-    path = export(a.out_dir, a.tag, a.out, a.encoder_only)
-    # what was written reads back as promised (memory-mapped: the weights are not read again)
-    obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    n = sum(t.numel() for t in obj["model"].values())
-    print(f"exported {a.out_dir} {obj['source']['tag']} ({obj['source']['strategy']}, {obj['source']['world']} "
-          f"ranks, {obj['source']['dtype']}): {len(obj['model'])} fp32 tensors, {n / 1e6:.2f} M params"
-          f"{', encoder only' if a.encoder_only else ''}", file=sys.stderr)
-    print(path)
-    return 0
-
-
-def cli(argv):
-    """`python export.py ...`: bad input is one clear line on stderr and exit code 2, no traceback."""
-    try:
-        return main(argv)
-    except configurator.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+def init_from(model, cfg, log):
+    """train.py's init_from, on every rank: the trained weights into the plain model, before a strategy shards it or
+    copies them into its fp32 masters. Only a new run: one with checkpoints of its own resumes them (a requeued job
+    goes on). init_from is a model file, or a run's out_dir (its newest checkpoint, exported once by rank 0)."""
+    # rank 0's view of out_dir, so that every rank takes the same branch (and resume=False is refused first)
+    if distributed.on_rank_0(lambda: checkpoint.check_resumable(cfg, os.path.join(cfg["out_dir"], "ckpt"))):
+        log(f"init_from={cfg['init_from']} not used: {cfg['out_dir']} has checkpoints of its own to resume")
+        return
+    src = cfg["init_from"]
+    check_init(init_source(src)[0], cfg, src)  # before any work: a wrong patch or width
+    if os.path.isdir(src):
+        path = distributed.on_rank_0(lambda: export(src, out=os.path.join(cfg["out_dir"], "init_from.pt")))
+        log(warm_start(model, path, cfg, name=src))
+    else:
+        log(warm_start(model, src, cfg))

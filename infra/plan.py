@@ -4,7 +4,7 @@ keys). Memory per GPU under each strategy (ZeRO-2, ZeRO-3, FSDP2), activations w
 the ring's buffers, FLOPs, ring traffic, S3 bandwidth, the step time (attention at the fused kernel's rates, the
 rest at an MFU assumption) and the samples/s it gives, the time a stop signal needs.
 
-    python plan.py config/big_context.py [--nodes=16 --gpu=H100 --mfu=0.35 ...]   the plan, JSON last
+    python -m scripts.plan config/big_context.py [--nodes=16 --gpu=H100 --mfu=0.35 ...]   the plan, JSON last
 
 train.py's dry run (DRY_RUN=1 bash launch.sh ...) prints it too. Its terms are checked against measurements on
 this machine by bench_plan.py (calibrate: FLOPs, activation bytes and the ring's backward memory on small models;
@@ -13,11 +13,9 @@ memory_check: the weight, gradient and optimizer bytes each strategy really allo
 import it).
 """
 
-import json
 import math
-import sys
 
-import torch
+from model import build_model
 
 
 def table(rows, header):
@@ -35,11 +33,6 @@ GPUS = {  # dense bf16 FLOP/s, memory, NVLink per direction, network per node (b
     "H100": {"flops": 989e12, "mem_gb": 80, "nvlink": 450e9, "net_node": 3200e9 / 8},
 }
 BLOCK_SAVED = 17  # activations saved per token per block, in units of width C (see activation_bytes)
-
-
-def ckpt_arg(cfg):
-    """The model's grad_ckpt argument for a config: True (every block), False, or a number of blocks."""
-    return cfg["grad_ckpt"] and (True if cfg["ckpt_blocks"] < 0 else cfg["ckpt_blocks"])
 
 
 def activation_bytes(m, micro_batch, cp, elem, ckpt=None):
@@ -81,7 +74,7 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt=None):
 def param_counts(m):
     """Parameter counts of a model.MAE (works on the meta device): all of them, the largest block, the ones
     outside the blocks (embeddings, tokens, final norms, head), those ZeRO-3 never partitions, the largest tensor."""
-    import strategies
+    from infra import strategies
     ps, blocks = list(m.parameters()), list(m.blocks) + list(m.decoder_blocks)
     per_block = [sum(p.numel() for p in b.parameters()) for b in blocks]
     P = sum(p.numel() for p in ps)
@@ -158,15 +151,6 @@ def step_bytes(st, act):
            "peak in optimizer step": st["persistent"] + st["opt"]}
     out["peak"] = max(out["peak in fwd/bwd"], out["peak in optimizer step"])
     return out
-
-
-def meta_model(cfg):
-    """The config's model.MAE on the meta device: its shapes and parameter counts, no memory."""
-    from model import MODELS
-    grid = tuple(c // p for c, p in zip(cfg["crop"], cfg["patch"]))
-    with torch.device("meta"):
-        return MODELS[cfg["model_size"]](grid=grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
-                                         mask_strata=cfg["mask_strata"] or cfg["cp"])
 
 
 # The fused attention kernel's useful rate by head dim, forward + backward (FLOPs 4 N^2 d per head forward and
@@ -320,7 +304,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     world / (GPU-seconds per sample)."""
     g = GPUS[gpu]
     cp = cfg["cp"]
-    m = meta_model(cfg)
+    m = build_model(cfg, device="meta", train=True)  # shapes only; with the run's checkpointed blocks
     n = param_counts(m)
     P, W = n["P"], world
     elem = 4 if cfg["dtype"] == "float32" else 2  # 'auto' is bf16 on a GPU
@@ -339,7 +323,6 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
         mem_k = {s_: (step_bytes(st, act + ring)["peak"] + workspace) / 1e9 for s_, st in states.items()}
         return mem_k, W / sample_seconds(m, k, g, mfu)["time"]
 
-    m.set_grad_ckpt(ckpt_arg(cfg))
     k_cfg = len(m.ckpt)
     mem, sps = at(k_cfg)
     act = sum(activation_bytes(m, cfg["micro_batch"], cp, elem))
@@ -398,70 +381,3 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             "attention_s_per_step": per_step * t["attention"], "other_s_per_step": per_step * t["other"],
             "eval_s": eval_s, "ckpt_gb": round(ckpt_bytes / 1e9, 2), "ckpt_s": ckpt_s,
             "stop_lead_s": stop_lead}
-
-
-def report(p, name):
-    """Print plan p (plan()'s dict) as a table; name: where the config came from."""
-    print(f"{name} on {p['world'] // p['gpus_per_node']} x {p['gpus_per_node']} {p['gpu']} = {p['world']} GPUs "
-          f"(dp {p['dp']} x cp {p['cp']}), {p['strategy']}, {p['ckpt_blocks']} of {p['blocks']} blocks checkpointed")
-    rows = [["params", f"{p['params'] / 1e6:.1f} M"], ["tokens / visible", f"{p['tokens']:,} / {p['visible']:,}"],
-            ["encoder / decoder tokens per rank", f"{p['enc_tokens_per_rank']:,.0f} / {p['dec_tokens_per_rank']:,.0f}"],
-            ["FLOPs per sample (fwd+bwd)", f"{p['flops_per_sample'] / 1e12:.1f} TFLOP"]]
-    for k in ("zero2", "zero3", "fsdp2"):
-        rows.append([f"memory per GPU, {k}", f"{p['mem_by_strategy_gb'][k]:.1f} GB (states {p['states_gb'][k]:.1f})"])
-    first = {"enc": "encoder", "dec": "decoder"}[p["ckpt_order"][0]]
-    fit = (f"{p['ckpt_blocks_fit']} -> {p['samples_per_s_ckpt_fit']:.2f} samples/s" if p["ckpt_blocks_fit"] is not None
-           else "none fits")
-    rows += [["activations per GPU", f"{p['activations_gb']:.1f} GB (every block checkpointed: "
-                                     f"{p['activations_full_ckpt_gb']:.1f} GB, none: {p['activations_no_ckpt_gb']:.1f} GB)"],
-             ["checkpointed blocks", f"{p['ckpt_blocks']} of {p['blocks']} ({first} blocks first: most bytes per "
-                                     f"recomputed FLOP)"],
-             [f"least that fits (activations x {ACT_MARGIN})", f"{fit}; every block: "
-                                                             f"{p['samples_per_s_full_ckpt']:.2f} samples/s"],
-             ["ring traffic per step per rank", f"{p['ring_gb_per_step_per_rank']:.1f} GB, "
-                                               f"{'hidden' if p['ring_hidden_by_compute'] else 'NOT hidden'} by compute"],
-             ["step time (per rank)", f"{p['step_s']:.1f} s = max({p['flop_bound_s_per_step']:.1f} s FLOP-bound, "
-                                      f"{p['attention_s_per_step']:.1f} s attention + "
-                                      f"{p['other_s_per_step']:.1f} s rest)"],
-             ["predicted samples/s", f"{p['samples_per_s']:.2f} (recompute: "
-                                     f"{p['recompute_flops_per_sample'] / 1e12:.1f} TFLOP per sample)"],
-             ["stop lead (SLURM's warning)", f"{p['stop_lead_s']} s: 60 + 1.5 x (2 steps + an evaluation of "
-                                             f"{p['eval_s']:.1f} s + the checkpoint write of {p['ckpt_s']:.1f} s)"],
-             ["S3 read per node at that rate", f"{p['s3_gb_per_s_per_node']:.2f} GB/s (float32, uncompressed)"],
-             ["fits", f"{'yes' if p['fits'] else 'NO'}: {p['mem_per_gpu_gb']:.1f} GB of {p['limit_gb']} GB usable"]]
-    table(rows, ["quantity", "value"])
-    print("\nshapes per rank (tokens: this rank's x the sequence attended to; attention rate: ATTN_TFLOPS, plan.py):")
-    table(p["shapes"], ["stack", "op", "shape", "tokens", "attention rate"])
-    for f in p["shape_flags"]:
-        print(f"  flag: {f}")
-    print(f"  attention, fwd + bwd, at those rates: {p['attention_gpu_s_per_sample']:.1f} GPU-s per sample "
-          f"({p['attention_gpu_s_per_sample_at_128']:.1f} if every head dim ran at 128's rate)")
-
-
-def config_plan(argv):
-    """(the config of argv: config files and --key=value over train.py's defaults; its plan). Besides train.py's
-    keys, --gpu= (a GPUS name) and --mfu= choose the hardware and the efficiency assumed."""
-    import configurator
-    cfg = configurator.defaults()
-    extra = {"gpu": "H200", "mfu": 0.4}
-    args = [a for a in argv if not any(a.startswith(f"--{k}=") for k in extra)]
-    configurator.apply(extra, [a for a in argv if a not in args])
-    configurator.apply(cfg, args)
-    if extra["gpu"] not in GPUS:
-        raise configurator.ConfigError(f"--gpu={extra['gpu']!r} is not one of {sorted(GPUS)}")
-    gpn = cfg["gpus_per_node"] or 8
-    return cfg, plan(cfg, cfg["nodes"] * gpn, extra["gpu"], extra["mfu"], gpn)
-
-
-def main(argv):
-    import configurator
-    try:
-        cfg, p = config_plan(argv)
-    except configurator.ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
-    report(p, " ".join(a for a in argv if not a.startswith("--")) or "defaults")
-    print(json.dumps(p))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -17,7 +17,7 @@ import os
 import numpy as np
 import zarr
 
-from reader import DataError
+from infra.reader import DataError
 
 
 # -----------------------------------------------------------------------------

@@ -30,107 +30,18 @@ inline, crossline and time slices of the features, mapped to RGB by their first 
 OUT.png (a local OUT) or NAME.png in the current folder (an s3:// OUT), or --picture.
 """
 import argparse
-import itertools
 import json
-import math
 import os
 import sys
 import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-import checkpoint
 import configurator
-import export
-import reader
-
-
-BATCH_TOKENS = 16384  # tokens per rank per forward when --batch is not given: small windows batched, big ones alone
-
-
-def window_origins(T, w, stride):
-    """Window origins (in tokens) along an axis of T tokens for windows of w tokens: 0, stride, ..., and T - w last."""
-    if w > T:
-        raise configurator.ConfigError(f"a window of {w} tokens does not fit an axis of {T}: use a smaller --crop")
-    o = list(range(0, T - w + 1, stride))
-    return o if o[-1] == T - w else o + [T - w]
-
-
-def owned(T, origins, w):
-    """For each window along an axis, the token range [lo, hi) it owns: every token goes to the window whose centre
-    is nearest to the token's centre (ties: the first window)."""
-    centres = np.asarray(origins) + w / 2
-    owner = np.argmin(np.abs((np.arange(T) + 0.5)[:, None] - centres[None, :]), axis=1)
-    return [(int(np.argmax(owner == i)), int(T - np.argmax(owner[::-1] == i))) if (owner == i).any() else (0, 0)
-            for i in range(len(origins))]
-
-
-def plan_windows(grid, w, stride):
-    """[(index (a, b, c), origin in tokens, owned box ((lo, hi) per axis))] over the token grid, owned boxes tiling
-    it; windows that own nothing (a stride smaller than needed) are left out."""
-    per_axis = [window_origins(T, w_, s) for T, w_, s in zip(grid, w, stride)]
-    own = [owned(T, o, w_) for T, o, w_ in zip(grid, per_axis, w)]
-    out = []
-    for idx in itertools.product(*(range(len(o)) for o in per_axis)):
-        box = tuple(own[k][i] for k, i in enumerate(idx))
-        if all(hi > lo for lo, hi in box):
-            out.append((idx, tuple(per_axis[k][i] for k, i in enumerate(idx)), box))
-    return out
-
-
-def encode(model, x, offset=0):
-    """x (B, 1, Z, Y, X) normalised voxels (B windows, or under cp this rank's slab of each) -> (B, Z/pz, Y/py,
-    X/px, D) fp32 features: every token visible, no cls token; offset: the slab's first token in its window (cp
-    rank x tokens)."""
-    from model import patchify
-    with torch.no_grad():
-        p = patchify(x, model.patch)  # (B, L_loc, P)
-        ids = torch.arange(p.shape[1], device=x.device)[None].expand(p.shape[0], -1)
-        z = model.forward_encoder(p, ids, offset=offset, has_cls=False)  # (B, L_loc, D)
-    return z.float().cpu().numpy().reshape(x.shape[0], *(n // q for n, q in zip(x.shape[2:], model.patch)), -1)
-
-
-def prepare(model, crop, cp=1):
-    """The encoder for windows of `crop` voxels (its positions follow the window's token grid)."""
-    w = tuple(c // p for c, p in zip(crop, model.patch))
-    model.grid, model.L = w, math.prod(w)  # positions are sin-cos of grid coordinates: any window size works
-    model.mask_strata = cp  # (nothing is masked here; set_context_parallel only asks that strata split over cp)
-    return w
-
-
-def features_of(model, vol, crop, stride):
-    """The features of a whole normalised volume (numpy, (I, X, T) voxels) in this one process: (I/pz, X/py, T/px,
-    D), each token from the window in which it is most central (what embed.py writes, without a store)."""
-    patch = model.patch
-    w = prepare(model, crop)
-    grid = tuple(s // p for s, p in zip(vol.shape, patch))
-    out = None
-    for _, org, box in plan_windows(grid, w, tuple(s // p for s, p in zip(stride, patch))):
-        v0 = tuple(o * p for o, p in zip(org, patch))
-        x = torch.from_numpy(np.ascontiguousarray(vol[tuple(slice(a, a + c) for a, c in zip(v0, crop))]))[None, None]
-        z = encode(model, x.float())[0]
-        if out is None:
-            out = np.zeros(grid + (z.shape[-1],), dtype=np.float32)
-        out[tuple(slice(lo, hi) for lo, hi in box)] = z[tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(box, org))]
-    return out
-
-
-def token_coords(vol, grid, patch, opts):
-    """The store's coordinate arrays (MDIO: inline, crossline, time) at the token centres, linearly interpolated
-    at voxel index k * patch + (patch - 1) / 2; voxel indices where the store has none."""
-    names = ("inline", "crossline", "time")
-    try:
-        node = reader.open_node(vol.url, opts)
-        axes = [np.asarray(node[n][:], dtype=np.float64) if hasattr(node, "__contains__") and n in node else None
-                for n in names]
-    except Exception:
-        axes = [None] * 3
-    out = {}
-    for n, a, T, p, S in zip(names, axes, grid, patch, vol.shape):
-        centre = np.arange(T) * p + (p - 1) / 2
-        out[n] = np.interp(centre, np.arange(S), a) if a is not None and len(a) == S else centre
-    return out
+from infra import cli, distributed, modelfile, reader
+from infra.features import BATCH_TOKENS, encode, plan_windows, prepare, token_coords
 
 
 def pca_picture(features, path, title):
@@ -189,29 +100,16 @@ def triple(text, what):
 
 def main(argv):
     a = parse(argv)
-    import torch.distributed as dist
-    import train
-    train.dist_env()
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-    on_gpu = torch.cuda.is_available()
-    if on_gpu:
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if on_gpu else "gloo")
-    device = torch.device("cuda", local) if on_gpu else torch.device("cpu")
+    rank, world, device = distributed.init()  # torchrun's ranks, or a world of 1
     cp = a.cp
     if cp < 1 or world % cp:
         raise configurator.ConfigError(f"--cp={cp} must divide the world size {world}")
-    dp, dp_rank, cp_rank = world // cp, rank // cp, rank % cp
-    cp_group = None
-    for i in range(dp):  # (every rank makes every group, in the same order)
-        g = dist.new_group(list(range(i * cp, (i + 1) * cp))) if cp > 1 else None
-        if i == dp_rank:
-            cp_group = g
+    cp_rank, dp_rank, dp, cp_group = distributed.cp_groups(cp)
     # ---- the encoder
     path = a.model
     if os.path.isdir(path):  # a run's out_dir: its newest checkpoint as one model file, by rank 0
-        path = checkpoint.on_rank_0(lambda: export.export(a.model))
-    model, meta = export.load(path, map_location="cpu")
+        path = distributed.on_rank_0(lambda: modelfile.export(a.model))
+    model, meta = modelfile.load(path, map_location="cpu")
     cfg = meta["config"]
     patch = tuple(cfg["patch"])
     crop = triple(a.crop, "crop") or tuple(cfg["crop"])
@@ -312,13 +210,5 @@ def main(argv):
     return 0
 
 
-def cli(argv):
-    try:
-        return main(argv)
-    except (configurator.ConfigError, reader.DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    sys.exit(cli.run(main, sys.argv[1:]))

@@ -6,7 +6,7 @@ volumes whose faults the generator knows (synthetic.py, labels=True).
 
 MODEL: a model file (export.py) or a run's out_dir. For each of `volumes` synthetic volumes (`n_faults` faults of
 random strike, dip and throw, no dead traces), every token's features come from the frozen encoder
-(embed.features_of: windows of the model's crop at half-window strides, every token visible). A linear head per
+(features_of: windows of the model's crop at half-window strides, every token visible). A linear head per
 token, features -> the patch's voxels (P logits), is trained on the first volumes' tokens (binary cross-entropy,
 the positives weighted by the negatives / positives ratio: faults are a few % of the voxels) and scored on the
 last `test` volumes: IoU of the fault voxels, the threshold chosen on the training volumes. The same for an
@@ -33,11 +33,10 @@ import numpy as np
 import torch
 
 import configurator
-import embed
-import export
-import synthetic
-from model import patchify
-from plan import table
+from infra import cli, modelfile, synthetic
+from infra.features import features_of
+from infra.plan import table
+from model import build_model, patchify
 
 
 def labelled_volumes(n, shape, n_faults, seed):
@@ -55,7 +54,7 @@ def tokens_and_targets(model, vols, crop):
     stride = tuple(max(p, c // 2 // p * p) for c, p in zip(crop, model.patch))
     xs, ys = [], []
     for vol, mask in vols:
-        f = embed.features_of(model, vol, crop, stride)  # (I, X, T, D)
+        f = features_of(model, vol, crop, stride)  # (I, X, T, D)
         grid = f.shape[:3]
         m = torch.from_numpy(mask[tuple(slice(0, g * p) for g, p in zip(grid, model.patch))].astype(np.float32))
         ys.append(patchify(m[None, None], model.patch)[0])  # (L, P), tokens in (inline, crossline, time) order
@@ -106,8 +105,8 @@ def main(argv):
         raise configurator.ConfigError(f"--repeats={a.repeats}: at least one draw is needed")
     path = a.model
     if os.path.isdir(path):
-        path = export.export(a.model)  # its newest checkpoint as one model file, beside it
-    trained, meta = export.load(path)
+        path = modelfile.export(a.model)  # its newest checkpoint as one model file, beside it
+    trained, meta = modelfile.load(path)
     cfg = meta["config"]
     crop = tuple(cfg["crop"])
     if any(s < c for s, c in zip(shape, crop)):
@@ -116,7 +115,7 @@ def main(argv):
     fraction = []
     for r in range(a.repeats):
         torch.manual_seed(a.seed + r)
-        random = export.build_model(cfg).eval()  # the same shape, the MAE's init, a new one each draw
+        random = build_model(cfg).eval()  # the same shape, the MAE's init, a new one each draw
         vols = labelled_volumes(a.volumes, shape, a.n_faults, a.seed + r * a.volumes)
         train, test = vols[:-a.test], vols[-a.test:]
         fraction.append(float(np.mean([m.mean() for _, m in test])))
@@ -150,13 +149,5 @@ def main(argv):
     return 0
 
 
-def cli(argv):
-    try:
-        return main(argv)
-    except (configurator.ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    sys.exit(cli.run(main, sys.argv[1:]))

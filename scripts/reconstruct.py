@@ -31,151 +31,21 @@ import sys
 import numpy as np
 import torch
 
-# -----------------------------------------------------------------------------
-# the slices through a crop's centre (under context parallelism each rank holds a slab of inline planes)
-
-ROWS = (("inline", "crossline", "time sample"),  # the inline slice: crossline across, time down
-        ("crossline", "inline", "time sample"),  # the crossline slice: inline across, time down
-        ("time", "inline", "crossline"))  # the time slice (map view): inline across, crossline down
-
-
-def centre_parts(x, recon, masked, z0, Z):
-    """This rank's pieces of the three centre slices. x, recon (Z_loc, Y, X) float, masked (Z_loc, Y, X) bool,
-    tensors on any device (voxel_views) or numpy: the rank's slab of inline planes [z0, z0 + Z_loc) of a crop Z
-    planes deep. Returns {name: (3, a, b) numpy array of original, reconstruction, mask} with the inline slice
-    only on the rank that holds plane Z // 2, and the crossline and time slices cut to this slab's planes. A few
-    MB per rank, never the slab: the slices are cut where the slab is (a GPU) and only they come to the host,
-    and under cp only they travel to rank 0."""
-    zc, yc, xc = Z // 2, x.shape[1] // 2, x.shape[2] // 2
-
-    def host(a):  # one cut slice -> float32 numpy (the same values whether it was cut from a tensor or an array)
-        return a.float().cpu().numpy() if torch.is_tensor(a) else np.asarray(a, dtype=np.float32)
-    stack = lambda sel: np.stack([host(a[sel]) for a in (x, recon, masked)])  # noqa: E731
-    out = {"crossline": stack(np.s_[:, yc, :]), "time": stack(np.s_[:, :, xc])}
-    if z0 <= zc < z0 + x.shape[0]:
-        out["inline"] = stack(np.s_[zc - z0])
-    return out
-
-
-def join_parts(parts):
-    """The pieces of every cp rank, in rank order -> {name: (3, a, b)}: the crossline and time slices joined
-    along inline, the inline slice from the rank that holds it."""
-    out = {"crossline": np.concatenate([p["crossline"] for p in parts], axis=1),
-           "time": np.concatenate([p["time"] for p in parts], axis=1)}
-    out["inline"] = next(p["inline"] for p in parts if "inline" in p)
-    return out
-
-
-def voxel_views(model, x, pred, mask):
-    """Sample 0 of a batch as voxels: (x in its own dtype, reconstruction float, masked bool) each (Z_loc, Y, X),
-    tensors on the device of the inputs (no host copy: a slab is GBs at long context; centre_parts cuts the
-    slices there). x (B, 1, Z_loc, Y, X) the model's input slab, pred (B, L_loc, P), mask (B, L_loc) with
-    1 = masked (the model's outputs)."""
-    import model as M
-    gz, gy, gx = x.shape[2] // model.patch[0], x.shape[3] // model.patch[1], x.shape[4] // model.patch[2]
-    patches = M.patchify(x[:1].float(), model.patch)
-    recon = M.unpatchify(M.pred_to_voxels(pred[:1], patches, model.norm_pix_loss), model.patch, (gz, gy, gx))
-    m = M.unpatchify(mask[:1, :, None].expand(-1, -1, model.P).float(), model.patch, (gz, gy, gx)) > 0.5
-    return x[0, 0], recon[0, 0], m[0, 0]
-
-
-# -----------------------------------------------------------------------------
-# figures (matplotlib is imported here only, with the Agg backend: no display, no pyplot state)
-
-
-def recon_figure(path, slices, origin, title):
-    """Write the 3 x 4 panel figure to `path` (PNG) and return the matplotlib Figure (tensorboard takes it).
-    slices: {inline|crossline|time: (3, a, b) original, reconstruction, mask}, in crop coordinates; origin:
-    the crop's origin in the volume, so that the axes read in volume indices."""
-    import matplotlib
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-    # a fixed grid (constrained layout would double the drawing time: it is spent at every evaluation)
-    fig = Figure(figsize=(13, 9.5), dpi=64)
-    axes = fig.subplots(3, 4, gridspec_kw=dict(left=0.05, right=0.99, bottom=0.05, top=0.88, wspace=0.12,
-                                               hspace=0.42))
-    cmap = matplotlib.colormaps["gray"].with_extremes(bad="#e9d8a6")  # masked patches: a colour no amplitude has
-    # the axis of the volume behind each slice's two image axes (0 inline, 1 crossline, 2 time)
-    axis_of = {"inline": (1, 2), "crossline": (0, 2), "time": (0, 1)}
-    for row, (name, across, down) in zip(axes, ROWS):
-        orig, recon, mask = slices[name]
-        mask = mask > 0.5
-        clip = float(np.percentile(np.abs(orig), 99)) or 1.0  # one symmetric clip for the row
-        a, b = axis_of[name]
-        extent = (origin[a] - 0.5, origin[a] + orig.shape[0] - 0.5, origin[b] + orig.shape[1] - 0.5, origin[b] - 0.5)
-        panels = (("original", orig), ("masked input", np.where(mask, np.nan, orig)),
-                  ("reconstruction", recon), ("reconstruction + visible", np.where(mask, recon, orig)))
-        for ax, (label, img) in zip(row, panels):
-            # (a, b) -> imshow wants rows = the downward axis: transpose
-            ax.imshow(img.T, cmap=cmap, vmin=-clip, vmax=clip, extent=extent, aspect="auto", interpolation="nearest")
-            ax.set_title(f"{name} slice: {label}", fontsize=9)
-            ax.set_xlabel(across, fontsize=8)
-            ax.tick_params(labelsize=7)
-            if ax is row[0]:
-                ax.set_ylabel(down, fontsize=8)
-            else:  # the row shares its axes: numbers once, on the left
-                ax.tick_params(labelleft=False)
-    fig.suptitle(title, fontsize=10)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    return fig
-
-
-def read_losses(log_path):
-    """(train, val) from a run's log.jsonl: {step: loss}, the last record of each step winning (a resumed run
-    re-runs the steps after its checkpoint and logs them again)."""
-    train, val = {}, {}
-    with open(log_path) as f:
-        for line in f:
-            r = json.loads(line)
-            if "loss" in r:
-                train[r["step"]] = r["loss"]
-            if "val_loss" in r:
-                val[r["step"]] = r["val_loss"]
-    return train, val
-
-
-def loss_figure(path, log_path):
-    """Train and validation loss against step, log scale, from log.jsonl."""
-    import matplotlib
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-    train, val = read_losses(log_path)
-    fig = Figure(figsize=(7, 4), dpi=64, layout="tight")
-    ax = fig.subplots()
-    if train:
-        ax.plot(sorted(train), [train[s] for s in sorted(train)], lw=1, label="train (per step)")
-    if val:
-        ax.plot(sorted(val), [val[s] for s in sorted(val)], "o-", ms=4, label="validation (held out)")
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("masked MSE")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    return fig
-
-
-def figure_title(what, step, mse, mask_ratio, norm_pix):
-    t = f"{what} | step {step} | mask ratio {mask_ratio:.2f} | masked MSE {mse:.4f}"
-    if norm_pix:
-        t += ("\nnorm_pix_loss: the prediction is shown de-normalised with each target patch's own mean and std "
-              "(the MSE is in normalised-patch units)")
-    return t
-
-
-# -----------------------------------------------------------------------------
-# the command line
+import configurator
+import data
+import model as M
+from infra import cli, library, modelfile, reader
+from infra.evaluate import centre_parts, figure_title, join_parts, recon_figure, voxel_views
+from infra.plan import activation_bytes
+from model import build_model
 
 
 def memory_needed(model_cfg):
     """Bytes one device needs to run the config's MAE forward (fp32, no gradients), by the planner
     (plan.activation_bytes with checkpointing: every block's input kept, one block's working set at a
     time; an upper bound for a forward without autograd) plus the fp32 weights and the input crop."""
-    import plan
-    m = plan.meta_model(model_cfg)
-    act = sum(plan.activation_bytes(m, 1, 1, 4, True))
+    m = build_model(model_cfg, device="meta")
+    act = sum(activation_bytes(m, 1, 1, 4, True))
     return 4 * sum(p.numel() for p in m.parameters()) + act + 4 * math.prod(model_cfg["crop"]) * 3
 
 
@@ -188,12 +58,6 @@ def device_memory(device):
 
 
 def main(argv):
-    import configurator
-    import data
-    import reader
-    import export
-    import library
-    import model as M
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a model file (export.py) or a run's out_dir (its newest checkpoint)")
     ap.add_argument("--data", default="", help="store to read (default: the run's first store)")
@@ -220,10 +84,10 @@ def main(argv):
 
     # ---- the model: a file, or a run's checkpoint exported in memory
     if os.path.isdir(a.model):
-        sd, meta = export.state_dict_from_checkpoint(a.model, a.tag)
+        sd, meta = modelfile.state_dict_from_checkpoint(a.model, a.tag)
         what = f"{a.model} ({meta['tag']})"
     else:
-        sd, meta = export.read_model_file(a.model)
+        sd, meta = modelfile.read_model_file(a.model)
         what = os.path.basename(a.model)
     if meta.get("encoder_only"):
         raise configurator.ConfigError(f"{a.model} holds the encoder only: it cannot reconstruct. Export without "
@@ -258,7 +122,7 @@ def main(argv):
             f"{have / 1e9:.1f} GB: choose a smaller --crop, or split it over GPUs with context parallelism: the "
             f"training job's own evaluation runs with the run's cp (bash launch.sh CONFIG --eval_only=True draws "
             f"validation sample 0 of the newest checkpoint, each rank holding crop[0] / cp inlines)")
-    model = export.build_model(mcfg)
+    model = build_model(mcfg)
     model.load_state_dict(sd, strict=True)
     model.to(device).eval()
 
@@ -309,15 +173,5 @@ def main(argv):
     return 0
 
 
-def cli(argv):
-    import configurator
-    import data
-    try:
-        return main(argv)
-    except (configurator.ConfigError, data.DataError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-
-
 if __name__ == "__main__":
-    sys.exit(cli(sys.argv[1:]))
+    sys.exit(cli.run(main, sys.argv[1:]))

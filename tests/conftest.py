@@ -9,7 +9,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import synthetic  # noqa: E402
+from infra import synthetic  # noqa: E402
 
 # The venv's tools first on PATH, for every process the tests start: DeepSpeed JIT-builds a small op with the first
 # `ninja` on PATH, and two ninja versions (the venv's, from pip, and the system's) take each other's build log for a

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-import bench
+from bench import step as bench_step
 from conftest import job_env, run_train, small_args
 
 STEPS = 40
@@ -28,7 +28,7 @@ def runs(small_store, tmp_path_factory):
     # (the small store has 48 inlines: a third held out holds a 16-inline validation crop; no figures)
     argv = ["config/quickstart.py", f"--data_paths={[small_store]!r}", "--make_synthetic=False", "--val_frac=0.34",
             "--figures=False"]
-    return root, bench.dtype_runs(argv, str(root), STEPS, script="tests/train_hooks.py", env_for=env_for)
+    return root, bench_step.dtype_runs(argv, str(root), STEPS, script="tests/train_hooks.py", env_for=env_for)
 
 
 def test_every_strategy_trains_on_the_fp32_masks_with_a_bf16_batch(runs):
@@ -55,9 +55,9 @@ def test_bf16_strategies_agree_and_none_strays_from_fp32(runs):
     u = 2.0 ** -8
     for a in BF16:
         for b in BF16:
-            mean, mx = bench.rel_deviation(losses[a], losses[b])
+            mean, mx = bench_step.rel_deviation(losses[a], losses[b])
             assert mean <= u / 4 and mx <= u, (a, b, mean, mx)
-    dev = {s: bench.rel_deviation(losses[s], losses["fp32"])[0] for s in BF16}
+    dev = {s: bench_step.rel_deviation(losses[s], losses["fp32"])[0] for s in BF16}
     assert dev["zero2"] <= 2 * dev["fsdp2"] and dev["zero3"] <= 2 * dev["fsdp2"], dev
     assert max(dev.values()) <= 4 * u, dev  # bf16 is close to fp32 at all
 

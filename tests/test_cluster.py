@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-import checkpoint
+from infra import checkpoint
 import cluster_util
 from conftest import ROOT, job_env, read_log, small_args
 

@@ -73,9 +73,9 @@ def test_unsupported_head_dim_is_a_startup_error(monkeypatch):
     # a researcher's new size with 10-wide heads: fine for plain SDPA, not for the fused ring kernels
     monkeypatch.setitem(M.MODELS, "odd", lambda **kw: M.MAE(dim=60, depth=1, heads=6, dec_dim=32, dec_depth=1,
                                                           dec_heads=4, **kw))
-    cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+    cfg = configurator.defaults()
     cfg.update(model_size="odd", crop=(32, 32, 32), patch=(8, 8, 8))
-    train.validate(cfg)  # cp = 1: plain SDPA takes any head dim
+    train.check_config(cfg)  # cp = 1: plain SDPA takes any head dim
     cfg["cp"] = 2
     with pytest.raises(configurator.ConfigError, match="head dim 10 is unsupported"):
-        train.validate(cfg)
+        train.check_config(cfg)

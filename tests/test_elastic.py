@@ -11,10 +11,9 @@ import shutil
 import pytest
 import torch
 
-import checkpoint
+from infra import checkpoint
 import configurator
-import export
-import train
+from infra import modelfile
 from conftest import STRATEGY_ARGS, job_env, read_log, read_val, run_train, small_args
 from test_launch import launch
 
@@ -136,7 +135,7 @@ def test_init_from_a_quickstart_model_on_twice_the_lateral_crop(quickstart, tmp_
     checkpoint and leaves init_from alone; another patch or width is a clear error before any work."""
     store, out, r = quickstart
     assert r.returncode == 0, r.stderr[-3000:]
-    model_file = export.export(out, out=str(tmp_path / "quickstart.pt"))
+    model_file = modelfile.export(out, out=str(tmp_path / "quickstart.pt"))
     base = ["config/quickstart.py", f"--data_paths=['{store}']", "--make_synthetic=False", "--crop=(32,32,64)",
             "--max_steps=2", "--log_interval=1", "--figures=False", "--eval_interval=1000"]
 
@@ -155,7 +154,7 @@ def test_init_from_a_quickstart_model_on_twice_the_lateral_crop(quickstart, tmp_
     assert fromdir.returncode == 0, fromdir.stderr[-3000:]
     assert (tmp_path / "fromdir" / "init_from.pt").exists()
     assert abs(dir_val - warm_val) <= 1e-6 * warm_val, (dir_val, warm_val)  # validation does not depend on dp
-    encoder = export.export(out, out=str(tmp_path / "encoder.pt"), encoder_only=True)  # the decoder starts fresh
+    encoder = modelfile.export(out, out=str(tmp_path / "encoder.pt"), encoder_only=True)  # the decoder starts fresh
     enc, _, _ = run("encoder", f"--init_from={encoder}")
     assert enc.returncode == 0 and "the encoder of a tiny MAE" in enc.stdout and "decoder starts fresh" in enc.stdout
     again = run_train(base + [f"--out_dir={tmp_path / 'warm'}", f"--init_from={model_file}", "--max_steps=3"])
@@ -178,7 +177,7 @@ def test_the_context_extension_pair_shares_one_model(tmp_path):
     config that trained it) and refuses to start without one."""
     r = launch(["config/context_102k.py"], DRY_RUN="1")
     assert r.returncode == 0 and "-> fits" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
-    cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+    cfg = configurator.defaults()
     configurator.apply(cfg, ["config/context_102k.py"])
     marker = tmp_path / "stage1" / "ckpt" / "step_0020000" / "COMPLETE"
     marker.parent.mkdir(parents=True)

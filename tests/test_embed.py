@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zarr
 
-import embed
+from infra import features
 from conftest import ROOT, job_env
 
 
@@ -27,7 +27,7 @@ def run_embed(args, nproc=1):
                                            ((4, 4, 4), (4, 4, 4), (2, 2, 2)), ((10, 3, 6), (4, 3, 2), (3, 1, 1))])
 def test_owned_boxes_tile_the_grid_once_and_sit_inside_their_windows(grid, w, stride):
     count = np.zeros(grid, dtype=int)
-    for _, org, box in embed.plan_windows(grid, w, stride):
+    for _, org, box in features.plan_windows(grid, w, stride):
         for (lo, hi), o, n in zip(box, org, w):
             assert o <= lo < hi <= o + n  # a window owns only tokens it encodes
         count[tuple(slice(lo, hi) for lo, hi in box)] += 1
@@ -70,7 +70,7 @@ def test_every_window_owns_its_centre():
     """Where windows overlap, a token's feature comes from the window in which it is most central: the window
     whose centre is nearest along every axis."""
     grid, w, stride = (9, 7, 11), (4, 3, 5), (2, 2, 3)
-    wins = embed.plan_windows(grid, w, stride)
+    wins = features.plan_windows(grid, w, stride)
     for t in itertools.product(*(range(n) for n in grid)):
         (_, org, _), = [x for x in wins if all(lo <= c < hi for c, (lo, hi) in zip(t, x[2]))]
         others = [o for _, o, _ in wins]

@@ -12,11 +12,11 @@ import sys
 import pytest
 import torch
 
-import checkpoint
+from infra import checkpoint
 import configurator
 import data
-import evaluate
-import export
+from infra import evaluate
+from infra import modelfile
 import model as M
 from conftest import ROOT, job_env, read_val, run_train, small_args
 
@@ -48,7 +48,7 @@ def files(runs):
     """Each run's newest checkpoint exported with the defaults: {name: (path, what torch.load gives)}."""
     out = {}
     for name, d in runs.items():
-        path = export.export(str(d))
+        path = modelfile.export(str(d))
         out[name] = path, torch.load(path, map_location="cpu", weights_only=True)
     return out
 
@@ -75,7 +75,7 @@ def val_loss(model, cfg, dtype=torch.float32, world=2):
 
 def init_model(cfg):
     torch.manual_seed(cfg["seed"])  # as train.setup, before it builds the MAE
-    return export.build_model(cfg)
+    return modelfile.build_model(cfg)
 
 
 def test_every_strategy_exports_one_file_of_fp32_weights(runs, files):
@@ -83,20 +83,20 @@ def test_every_strategy_exports_one_file_of_fp32_weights(runs, files):
         d = runs[name]
         assert path == os.path.join(str(d), "model_step_0000008.pt")
         assert not [f for f in os.listdir(d) if ".tmp" in f], os.listdir(d)  # no temporary left behind
-        _, _, meta = export.find_checkpoint(str(d))
+        _, _, meta = modelfile.find_checkpoint(str(d))
         assert set(obj) == {"format", "version", "model", "config", "step", "encoder_only", "source"}
         assert (obj["format"], obj["version"], obj["step"], obj["encoder_only"]) == ("seismic-mae", 1, 8, False)
         assert obj["config"] == meta["config"] and obj["config"]["strategy"] == name.split("_")[0]
         assert obj["source"] == {"strategy": name.split("_")[0], "world": 2, "tag": "step_0000008",
                                  "dtype": "torch.bfloat16" if "bf16" in name else "torch.float32"}
-        want = export.build_model(obj["config"], device="meta").state_dict()
+        want = modelfile.build_model(obj["config"], device="meta").state_dict()
         assert list(obj["model"]) == list(want)  # the plain module names, in the MAE's order
         for k, t in obj["model"].items():
             assert t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous(), (name, k)
             assert t.shape == want[k].shape and not t.requires_grad, (name, k)
             assert t.untyped_storage().nbytes() == t.nbytes, (name, k)  # no shared flat vector in the file
         # one call rebuilds the config's MAE and loads strictly: the file's tensors are its parameters
-        model, lmeta = export.load(path)
+        model, lmeta = modelfile.load(path)
         assert model.encoder_only is False and not model.training
         assert lmeta["step"] == 8 and lmeta["tag"] == "step_0000008"
         sd = model.state_dict()
@@ -115,9 +115,9 @@ def test_exported_weights_are_the_trained_ones(runs, files):
         dtype = torch.bfloat16 if "bf16" in name else torch.float32
         val = dict(read_val(d))
         assert sorted(val) == [0, 3, 6, 8], val
-        step3 = export.export(str(d), tag="step_3", out=str(d / "three.pt"))
+        step3 = modelfile.export(str(d), tag="step_3", out=str(d / "three.pt"))
         for step, path in ((3, step3), (8, files[name][0])):
-            model, meta = export.load(path)
+            model, meta = modelfile.load(path)
             assert meta["step"] == step
             # bf16: the fp32 masters, rounded to bf16 as the run computes with them, give the run's bf16 value
             got = val_loss(model, meta["config"], dtype, world=meta["source"]["world"])
@@ -142,22 +142,22 @@ def test_bf16_run_exports_its_fp32_masters(files):
 
 def test_encoder_only(runs, files):
     d = runs["fsdp2"]
-    path = export.export(str(d), encoder_only=True)
+    path = modelfile.export(str(d), encoder_only=True)
     assert path == os.path.join(str(d), "model_step_0000008_encoder.pt")
     obj = torch.load(path, map_location="cpu", weights_only=True)
     full = files["fsdp2"][1]["model"]
     assert obj["encoder_only"] is True
-    assert list(obj["model"]) == [k for k in full if k.split(".")[0] in export.ENCODER]
-    assert {k.split(".")[0] for k in obj["model"]} == set(export.ENCODER)
+    assert list(obj["model"]) == [k for k in full if k.split(".")[0] in modelfile.ENCODER]
+    assert {k.split(".")[0] for k in obj["model"]} == set(modelfile.ENCODER)
     assert all(torch.equal(obj["model"][k], full[k]) for k in obj["model"])
     # only the encoder's bytes are in the file (a tensor viewing a shared storage would carry the rest)
     assert os.path.getsize(path) < sum(t.nbytes for t in obj["model"].values()) + 100_000
-    model, meta = export.load(path)
+    model, meta = modelfile.load(path)
     assert model.encoder_only is True and meta["encoder_only"] is True
-    assert all(getattr(model, k) is None for k in export.DECODER)
+    assert all(getattr(model, k) is None for k in modelfile.DECODER)
     assert list(model.state_dict()) == list(obj["model"])
     # the encoder computes what the full model's encoder computes; the decoder's absence is an error, not noise
-    ref, _ = export.load(files["fsdp2"][0])
+    ref, _ = modelfile.load(files["fsdp2"][0])
     x = torch.randn(2, 1, *obj["config"]["crop"])
     ids_keep = ref.keep_ids(torch.rand(2, ref.L))
     patches = M.patchify(x, ref.patch)
@@ -170,27 +170,27 @@ def test_encoder_only(runs, files):
 def test_tags_and_bad_input(runs, files, tmp_path):
     d = str(runs["zero3"])
     for tag in ("step_0000003", "step_3", "3", 3):
-        ckpt_dir, t, meta = export.find_checkpoint(d, tag)
+        ckpt_dir, t, meta = modelfile.find_checkpoint(d, tag)
         assert (ckpt_dir, t, meta["step"]) == (os.path.join(d, "ckpt"), "step_0000003", 3)
-    assert export.find_checkpoint(os.path.join(d, "ckpt"))[1] == "step_0000008"  # given OUT_DIR/ckpt itself
+    assert modelfile.find_checkpoint(os.path.join(d, "ckpt"))[1] == "step_0000008"  # given OUT_DIR/ckpt itself
     with pytest.raises(configurator.ConfigError, match="step_0000003, step_0000008"):
-        export.find_checkpoint(d, "step_4")
+        modelfile.find_checkpoint(d, "step_4")
     with pytest.raises(configurator.ConfigError, match="not a checkpoint tag"):
-        export.find_checkpoint(d, "latest")
+        modelfile.find_checkpoint(d, "latest")
     # a step_* directory without COMPLETE is never taken, and is named
     os.makedirs(tmp_path / "half" / "ckpt" / "step_0000007")
     with pytest.raises(configurator.ConfigError, match="step_0000007 without COMPLETE"):
-        export.find_checkpoint(str(tmp_path / "half"))
+        modelfile.find_checkpoint(str(tmp_path / "half"))
     # not a model file, and a model file whose weights do not fit its config
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(configurator.ConfigError, match="not a seismic-mae model file"):
-        export.load(str(tmp_path / "notes.txt"))
+        modelfile.load(str(tmp_path / "notes.txt"))
     torch.save({"model": {}}, tmp_path / "other.pt")
     with pytest.raises(configurator.ConfigError, match="not a seismic-mae model file"):
-        export.load(str(tmp_path / "other.pt"))
+        modelfile.load(str(tmp_path / "other.pt"))
     obj = dict(files["zero3"][1], config={**files["zero3"][1]["config"], "patch": [4, 8, 8], "crop": [16, 16, 32]})
     with pytest.raises(configurator.ConfigError, match=r"patch_embed.weight is \(96, 1, 8, 8, 8\).*patch \(4, 8, 8\)"):
-        export.load(obj)
+        modelfile.load(obj)
 
 
 def test_checkpoint_with_a_lost_shard_is_a_clear_error(runs, tmp_path):
@@ -201,7 +201,7 @@ def test_checkpoint_with_a_lost_shard_is_a_clear_error(runs, tmp_path):
         shutil.copytree(runs[name] / "ckpt" / "step_0000003", d / "ckpt" / "step_0000003")
         os.remove(d / "ckpt" / "step_0000003" / lose)
         with pytest.raises(configurator.ConfigError, match=f"cannot read checkpoint .*{says}"):
-            export.export(str(d))
+            modelfile.export(str(d))
         assert not [f for f in os.listdir(d) if f != "ckpt"]  # nothing written
 
 
@@ -216,7 +216,7 @@ def test_a_failed_write_leaves_the_existing_file_whole(runs, files, monkeypatch)
 
     monkeypatch.setattr(torch, "save", dies_half_way)
     with pytest.raises(KeyboardInterrupt):
-        export.export(str(runs["zero2"]))
+        modelfile.export(str(runs["zero2"]))
     monkeypatch.setattr(torch, "save", real_save)
     assert open(path, "rb").read() == before
     assert not [f for f in os.listdir(runs["zero2"]) if ".tmp" in f]
@@ -261,7 +261,7 @@ def test_reconstruct_reproduces_validation_sample_0(runs, files, tmp_path):
     (exported on the fly)."""
     path, obj = files["zero2"]
     cfg = obj["config"]
-    model, _ = export.load(path)
+    model, _ = modelfile.load(path)
     sampler = data.Sampler(cfg["data_paths"], cfg["crop"], seed=cfg["seed"], part=("val", cfg["val_frac"]),
                            stream="val")
     _, origin = sampler.locate(0)
@@ -277,7 +277,7 @@ def test_reconstruct_reproduces_validation_sample_0(runs, files, tmp_path):
     r2, out2 = recon(str(runs["zero2"]), f"--origin={origin}", f"--seed={cfg['seed']}", f"--out={fig}")
     assert r2.returncode == 0 and out2["masked_mse"] == out["masked_mse"], r2.stderr[-3000:]
     # the same crop streamed from a real S3 endpoint on loopback
-    from s3_util import MotoS3
+    from bench.s3_loopback import MotoS3
     s3 = MotoS3()
     try:
         url = s3.upload_dir(cfg["data_paths"][0], "recon", "small.mdio")
@@ -294,7 +294,7 @@ def test_reconstruct_reproduces_validation_sample_0(runs, files, tmp_path):
 
 def test_reconstruct_bad_input(runs, files, tmp_path):
     path, _ = files["zero2"]
-    enc = export.export(str(runs["zero2"]), encoder_only=True, out=str(tmp_path / "enc.pt"))
+    enc = modelfile.export(str(runs["zero2"]), encoder_only=True, out=str(tmp_path / "enc.pt"))
     for args, says in (((path, "--origin=(40,0,0)"), "is outside the volume (48, 32, 64)"),
                        ((path, "--patch=(16,16,16)"), "trained with patch (8, 8, 8) and --patch is (16, 16, 16)"),
                        ((path, "--crop=(8192,8192,8192)"), "on one device by the planner"),

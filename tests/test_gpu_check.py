@@ -8,7 +8,7 @@ import sys
 
 from conftest import ROOT, job_env
 
-import bench_gpu
+from bench import gpu
 
 
 def _run(out, *args, **env):
@@ -23,7 +23,7 @@ def test_every_section_passes_on_cpu(tmp_path):
     r = _run(tmp_path, MASTER_PORT="1", RANK="3", WORLD_SIZE="7", LOCAL_RANK="3")
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert r.returncode == 0 and summary["ok"], (summary.get("status"), r.stdout[-4000:], r.stderr[-4000:])
-    names = [n for n, _ in bench_gpu.SECTIONS]
+    names = [n for n, _ in gpu.SECTIONS]
     lines = [json.loads(x) for x in open(tmp_path / "gpu_check.jsonl")]
     assert [x["section"] for x in lines] == names and all(x["ok"] for x in lines)
     assert summary["status"] == {n: "ok" for n in names}

@@ -5,7 +5,7 @@ import signal
 import subprocess
 import time
 
-import checkpoint
+from infra import checkpoint
 from conftest import ROOT, job_env, run_train, small_args
 
 

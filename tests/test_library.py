@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import data
-import reader
-import library
-import synthetic
+from infra import reader
+from infra import library
+from infra import synthetic
 from conftest import read_log, read_val, run_train, small_args
-from s3_util import MotoS3
+from bench.s3_loopback import MotoS3
 
 SHAPES = {"a.mdio": (48, 32, 64), "b.mdio": (32, 32, 64), "c.mdio": (64, 48, 64)}  # three surveys of different size
 

@@ -10,9 +10,9 @@ import pytest
 import zarr
 
 import data
-import reader
+from infra import reader
 from conftest import ROOT
-from s3_util import MotoS3
+from bench.s3_loopback import MotoS3
 
 segyio = pytest.importorskip("segyio")
 F3 = os.path.join(ROOT, "..", "shared", "data", "f3.sgy")
@@ -198,7 +198,7 @@ def test_synthetic_fault_labels_sit_on_the_throw_and_are_written_beside_the_ampl
     several: the quickstart's data did not change."""
     import hashlib
 
-    import synthetic
+    from infra import synthetic
     for shape, seed, digest in (((48, 32, 64), 3, "f6eee2ff1a75d6fb"), ((128, 128, 256), 0, "58d1aa87bac32005")):
         v = synthetic.synthetic_volume(shape, seed=seed)
         assert hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()[:16] == digest

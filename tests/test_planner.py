@@ -5,9 +5,9 @@ allocation counted, see bench_plan._memory_worker). Its step time: attention pri
 import graph that keeps the planner out of a circle."""
 import math
 
-import bench_plan
 import configurator
-import plan
+from bench import plan as bench_plan
+from infra import plan
 from conftest import ROOT
 
 
@@ -136,10 +136,10 @@ def test_plan_py_reads_train_defaults_and_prints_the_dry_runs_plan():
     import sys
 
     import configurator
-    import plan
+    from infra import plan
     import train
     from conftest import ROOT
-    assert configurator.defaults() == {k: getattr(train, k) for k in train.CONFIG_KEYS}
+    XX
     r = subprocess.run([sys.executable, "plan.py", "config/big_context.py", "--nodes=4"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -162,9 +162,9 @@ def test_shapes_flag_head_dims_and_the_aligned_sizes_clear_them():
     timing by head dim runs on CPU."""
     import torch
 
-    import bench_gpu_attention
+    from bench import gpu_attention
     import configurator
-    import plan
+    from infra import plan
     r = plan.ATTN_TFLOPS
     assert plan.attention_tflops(128) == r[128] and plan.attention_tflops(64) == r[64] and plan.attention_tflops(32) == r[32]
     assert plan.attention_tflops(104) == r[128] * 104 / 128 and plan.attention_tflops(96) == (r[64] + r[128]) / 2 * 96 / 96
@@ -181,5 +181,5 @@ def test_shapes_flag_head_dims_and_the_aligned_sizes_clear_them():
     large, aligned = (plan.plan({**cfg, "model_size": m, "cp": 1, "crop": (640, 640, 1024)}, 128)
                       for m in ("large", "large_h64"))
     assert large["head_dims"] == {"enc": 64, "dec": 32} and aligned["head_dims"] == {"enc": 64, "dec": 64}
-    rates = bench_gpu_attention.attention_rates(torch.device("cpu"), N=256, dtype=torch.float32, reps=1)["default"]
+    rates = gpu_attention.attention_rates(torch.device("cpu"), N=256, dtype=torch.float32, reps=1)["default"]
     assert sorted(rates) == [32, 64, 104, 128] and all(f > 0 and fb > 0 for f, fb in rates.values())

@@ -1,4 +1,4 @@
-"""Stop signals (checkpoint.StopRequest, launch.sh): SIGTERM or SIGUSR1 mid-run becomes a complete checkpoint at
+"""Stop signals (stop.StopRequest, launch.sh): SIGTERM or SIGUSR1 mid-run becomes a complete checkpoint at
 the step where the run stopped and exit code 75; the relaunch continues on the uninterrupted run's trajectory.
 And when ranks fail, launch.sh's last line is the first rank's `error:` line."""
 import os
@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-import checkpoint
+from infra import checkpoint
+
+from infra import stop
 from conftest import ROOT, job_env, read_log, read_val, run_train, small_args
 
 # 60 steps of 2 micro steps; no checkpoint but the end's unless a stop asks for one; validation every 10 steps
@@ -71,7 +73,7 @@ def check_stopped(p, out_dir, sig, before):
     earlier ones, `before`: keep_ckpts is 2), STOPPED."""
     rc = p.wait(timeout=120)
     out = open(f"{out_dir}.log").read()
-    assert rc == checkpoint.RESUMABLE, out[-3000:]
+    assert rc == stop.RESUMABLE, out[-3000:]
     done = checkpoint.complete_checkpoints(str(out_dir / "ckpt"))
     steps = [r["step"] for r in read_log(out_dir)]
     n = steps[-1] + 1  # steps done

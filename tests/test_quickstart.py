@@ -2,7 +2,7 @@
 import os
 
 from conftest import launch_quickstart, read_log, read_val
-import checkpoint
+from infra import checkpoint
 
 
 def test_quickstart_learns_evaluates_and_checkpoints(quickstart):

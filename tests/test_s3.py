@@ -6,9 +6,9 @@ import pytest
 import zarr
 
 import data
-import reader
+from infra import reader
 from conftest import read_log, run_train, small_args, job_env
-from s3_util import FaultProxy, MotoS3
+from bench.s3_loopback import FaultProxy, MotoS3
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 checkpoints."""
 import pytest
 
-import checkpoint
+from infra import checkpoint
 from conftest import STRATEGY_ARGS, read_log, read_val, run_train, small_args
 
 

@@ -8,8 +8,8 @@ import torch
 
 import configurator
 import data
-import checkpoint
-import strategies
+from infra import checkpoint
+from infra import strategies
 import train
 from conftest import read_log, read_val, run_train, small_args
 
@@ -124,7 +124,7 @@ def test_divergence_stops_with_step_and_no_bad_checkpoint(small_store, tmp_path)
 
 
 def cfg_of(**kw):
-    cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+    cfg = configurator.defaults()
     cfg.update(kw)
     return cfg
 
@@ -140,10 +140,10 @@ def test_unknown_key_and_wrong_type():
 
 def test_validation_errors(small_store):
     with pytest.raises(configurator.ConfigError, match="not divisible by patch"):
-        train.validate(cfg_of(crop=(20, 16, 16), patch=(8, 8, 8)))
+        train.check_config(cfg_of(crop=(20, 16, 16), patch=(8, 8, 8)))
     for r in (0.0, 1.0, -0.1, 1.5):
         with pytest.raises(configurator.ConfigError, match="mask_ratio must be in"):
-            train.validate(cfg_of(mask_ratio=r))
+            train.check_config(cfg_of(mask_ratio=r))
     with pytest.raises(data.DataError, match="larger than the volume"):
         data.Sampler([small_store], (16, 16, 128))
     with pytest.raises(data.DataError, match="does not exist"):
@@ -183,7 +183,7 @@ def test_checkpoint_is_on_disk_before_it_is_marked_complete(tmp_path, monkeypatc
     from model import MODELS
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+        cfg = configurator.defaults()
         cfg.update(strategy="fsdp2", grad_clip=0.0)
         engine = strategies.FSDP2Engine(MODELS["tiny"](grid=(2, 2, 2), patch=(4, 4, 4)), cfg, 1e-3, torch.float32,
                                    torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""Held-out validation (evaluate.py) and its pictures (reconstruct.py): the held-out inlines are never trained on,
+"""Held-out validation (evaluate.py) and its pictures (evaluate.py): the held-out inlines are never trained on,
 the validation loss is a function of the weights alone (not of cp, the strategy or a resume: those equalities are
 in test_cp_train, test_strategies and test_train), eval_only repeats the logged value, and the figure shows
 what it says it shows."""
@@ -12,10 +12,9 @@ import torch
 
 import configurator
 import data
-import evaluate
 import model as M
-import reconstruct
-import synthetic
+from infra import evaluate
+from infra import synthetic
 import train
 from conftest import read_log, read_val, run_train, small_args
 from dist_util import run_ranks
@@ -71,17 +70,17 @@ def test_a_held_out_part_too_small_for_a_crop_is_a_clear_error(small_store, tmp_
 
 
 def test_bad_validation_settings_are_errors_before_work(monkeypatch):
-    cfg = {k: getattr(train, k) for k in train.CONFIG_KEYS}
+    cfg = configurator.defaults()
     for kw, msg in (({"eval_samples": 0}, "eval_samples must be >= 1"), ({"val_frac": 1.0}, "val_frac must be in"),
                     ({"eval_interval": 0}, "eval_interval must be >= 1"),
                     ({"eval_only": True, "val_frac": 0.0}, "eval_only=True needs a validation set")):
         with pytest.raises(configurator.ConfigError, match=msg):
-            train.validate({**cfg, **kw})
+            train.check_config({**cfg, **kw})
     # tensorboard=True where the package is missing (an entry of None in sys.modules is how Python spells "not
     # installed" to the import system)
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(configurator.ConfigError, match="pip install tensorboard"):
-        train.validate({**cfg, "tensorboard": True})
+        train.check_config({**cfg, "tensorboard": True})
 
 
 def test_assignment_covers_every_sample_once_with_equal_forwards():
@@ -115,7 +114,7 @@ def test_run_logs_val_loss_and_draws_figures(run):
     for f in figs:
         with open(d / "figures" / f, "rb") as fh:
             assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
-    train_losses, val_losses = reconstruct.read_losses(d / "log.jsonl")
+    train_losses, val_losses = evaluate.read_losses(d / "log.jsonl")
     assert sorted(train_losses) == list(range(6)) and sorted(val_losses) == [0, 3, 6]
     # tensorboard: the event file holds the train and val scalars and the figure
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -166,16 +165,16 @@ def test_pasted_panel_is_the_original_on_visible_patches_and_norm_pix_is_undone(
     # a "prediction" that is exactly the norm-pix target: de-normalised, it must give back the voxels
     t = patches.float()
     pred = (t - t.mean(-1, keepdim=True)) / (t.var(-1, keepdim=True) + 1e-6) ** 0.5
-    xs, rs, ms = reconstruct.voxel_views(m, x, pred, mask)
+    xs, rs, ms = evaluate.voxel_views(m, x, pred, mask)
     assert np.allclose(rs, xs, atol=1e-5)
     vox = M.unpatchify(mask[:, :, None].expand(-1, -1, m.P), patch, grid)[0, 0].numpy() > 0.5
     assert np.array_equal(ms, vox) and 0 < ms.float().mean() < 1  # (tensors: voxel_views leaves them on the device)
     # now a wrong prediction, so that the panels differ: the pasted panel must be the original where visible and
     # the reconstruction where masked, in every drawn row; the masked input blank (NaN) exactly where masked
     rs = rs + 5.0
-    sl = reconstruct.join_parts([reconstruct.centre_parts(xs, rs, ms, 0, 8)])
-    title = reconstruct.figure_title("known inputs", 7, 0.5, 0.75, norm_pix=True)
-    fig = reconstruct.recon_figure(str(tmp_path / "f.png"), sl, (10, 20, 30), title)
+    sl = evaluate.join_parts([evaluate.centre_parts(xs, rs, ms, 0, 8)])
+    title = evaluate.figure_title("known inputs", 7, 0.5, 0.75, norm_pix=True)
+    fig = evaluate.recon_figure(str(tmp_path / "f.png"), sl, (10, 20, 30), title)
     assert os.path.getsize(tmp_path / "f.png") > 1000
     assert "de-normalised with each target patch's own mean and std" in fig._suptitle.get_text()
     for row, name in enumerate(("inline", "crossline", "time")):

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import checkpoint  # noqa: E402
+from infra import checkpoint  # noqa: E402
 import data  # noqa: E402
 import model  # noqa: E402
 import train  # noqa: E402

@@ -1,0 +1,1 @@
+"""Measurements: python -m bench SUBCOMMAND (bench/__main__.py lists them)."""

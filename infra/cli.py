@@ -1,0 +1,48 @@
+"""
+How every command ends: the project's own errors as one `error:` line and an exit code, never a traceback.
+
+    sys.exit(cli.run(main, sys.argv[1:]))
+
+Exit codes: 0 done; 2 bad input (configurator.ConfigError, reader.DataError, a ring that disagrees with
+PyTorch's: ring_attention.CPMismatchError); 3 a diverged run (FloatingPointError); train.py's stopped-at-a-
+checkpoint code (stop.RESUMABLE, 75) passes through. Under torchrun only rank 0 prints the line (every rank
+would say the same). Under launch.sh (MAE_ERROR_FILE set) every failing rank also appends its first line to
+that file, so that launch.sh ends with the first rank's reason rather than with torchrun's traceback; a bug
+(any other exception) is noted there too and then raised, traceback and all.
+"""
+import os
+import sys
+
+import torch
+
+from configurator import ConfigError
+from infra.reader import DataError
+from ring_attention import CPMismatchError
+
+BAD_INPUT = (ConfigError, DataError, CPMismatchError)
+
+
+def note_error(line):
+    """One line appended to launch.sh's MAE_ERROR_FILE (O_APPEND: the ranks' lines do not interleave)."""
+    path = os.environ.get("MAE_ERROR_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write(line.replace("\n", " ") + "\n")
+
+
+def run(main, argv):
+    """main(argv) -> its exit code, with the project's errors turned into one line on stderr."""
+    rank = os.environ.get("RANK", "0")
+    try:
+        rc = main(argv)
+    except BAD_INPUT + (FloatingPointError,) as e:  # bad input or a diverged run: nothing is half-written
+        if rank == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        note_error(f"error: {e}" if rank == "0" else f"error: (rank {rank}) {e}")
+        rc = 3 if isinstance(e, FloatingPointError) else 2
+    except Exception as e:  # a bug, or a failure of a peer: the traceback follows; launch.sh names the first
+        note_error(f"error: (rank {rank}) {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        raise
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return rc or 0

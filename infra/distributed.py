@@ -1,0 +1,80 @@
+"""
+Distributed setup, in one place: the environment torch.distributed reads, the process group, the context-parallel
+groups, and work that rank 0 does for everyone.
+
+    free_port()               a free TCP port on this machine (a world of 1, a test's rendezvous)
+    init()                    torch.distributed started for this process -> (rank, world, device)
+    cp_groups(cp)             (cp_rank, dp_rank, dp_size, cp_group): ranks [i*cp, (i+1)*cp) share sample stream i
+    on_rank_0(work)           work() on rank 0, the others waiting; its result on every rank
+
+train.py, the scripts (embed) and the benches all start their ranks through init(), so a rank is a rank
+whichever of them runs: torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or a world of 1 for a bare `python`.
+"""
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def free_port():
+    """A TCP port nobody listens on now (the kernel picks it; a race with another process is possible, and rare)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init():
+    """Start torch.distributed: torchrun's environment, or a world of 1 on a free local port (a bare python).
+    NCCL on GPUs (one per local rank), gloo on CPU. DeepSpeed's accelerator is chosen here, before anything
+    imports deepspeed: it reads DS_ACCELERATOR once, at import. Returns (rank, world, device)."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    elif os.environ.get("DS_ACCELERATOR") == "cpu":
+        del os.environ["DS_ACCELERATOR"]  # inherited from a CPU machine (a login node): wrong here
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if on_gpu:
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+    return rank, world, torch.device("cuda", local) if on_gpu else torch.device("cpu")
+
+
+def cp_groups(cp):
+    """The context-parallel layout of the world: ranks [i*cp, (i+1)*cp) hold the slabs of one sample (contiguous,
+    so that a group stays on one node's NVLink) and form data-parallel group i. Every rank creates every group, in
+    the same order (new_group is collective). Returns (cp_rank, dp_rank, dp_size, this rank's cp group or None)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp_rank, dp_size = rank // cp, world // cp
+    group = None
+    if cp > 1:
+        for i in range(dp_size):
+            g = dist.new_group(list(range(i * cp, (i + 1) * cp)))
+            if i == dp_rank:
+                group = g
+    return rank % cp, dp_rank, dp_size, group
+
+
+def on_rank_0(work):
+    """All ranks: work() runs on rank 0 while the others wait; returns its result (picklable) on every rank. Bad input
+    found there (a ValueError: ConfigError, DataError) is raised on every rank as it was. The others wait on a
+    gloo group of their own with a long timeout: the work (converting or exporting the state of 1.6 B parameters,
+    indexing a library of stores) takes minutes, longer than a training collective should ever be allowed to hang.
+    Any other failure ends rank 0, and the launcher then ends the rest."""
+    wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))  # (collective: before the work)
+    box = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = work()
+        except ValueError as e:
+            box[1] = e
+    dist.broadcast_object_list(box, src=0, group=wait)
+    dist.destroy_process_group(wait)
+    if box[1] is not None:
+        raise box[1]
+    return box[0]

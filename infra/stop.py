@@ -1,0 +1,96 @@
+"""
+The stop protocol: a stop signal becomes a checkpoint that every rank agrees on, then a resumable exit.
+
+    StopRequest()            installs SIGTERM / SIGUSR1 handlers; train.py arms it once training starts
+    RESUMABLE                the exit code of a stopped run (75): run the same command again to continue
+    write_stopped(out_dir)   out_dir/STOPPED, the one line launch.sh repeats last
+
+A stop signal (SIGTERM: SLURM's time limit and preemption, a scheduler's kill; SIGUSR1: SLURM's warning before
+the time limit, which launch.sh asks for) is a request: the ranks agree at the next step boundary, write a
+complete checkpoint of that step (checkpoint.py), out_dir/STOPPED says so, and they exit RESUMABLE. Running the
+same command again continues exactly where the run stopped.
+"""
+import os
+import signal
+
+import torch
+
+RESUMABLE = 75  # exit code: stopped cleanly at a complete checkpoint; run the same command again to continue
+#                 (sysexits.h's EX_TEMPFAIL, "a temporary failure: the user is invited to retry")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """SIGTERM and SIGUSR1 on this rank, turned into a stop that all ranks agree on at a step boundary.
+
+    The handler only notes the signal (a Python handler runs between bytecodes of the main thread; nothing can be
+    saved from inside it), so a step or a checkpoint write in progress finishes first. Repeats are ignored: under
+    SLURM every process of the step gets the signal and launch.sh forwards it to the ranks as well, so one stop
+    arrives as two. The hard stop is SIGKILL (SLURM's KillWait after SIGTERM): a checkpoint cut short by it has no
+    COMPLETE marker, so resume never takes it. Outside training (start-up, an evaluation-only run, after the last
+    step) there is nothing to save: a signal then ends the process as if no handler were installed.
+
+    Agreement: each rank puts its flag into the all-reduce the step already does for the loss (train_step); the
+    sum is the same on every rank, so all stop after the same step. Reading that sum on the host is a sync; on a
+    GPU it is therefore copied without blocking and read one step later (`agreed`), when it has long arrived:
+    the stop comes one step later, and no step waits. After a checkpoint write (rare, and a sync anyway) the
+    ranks agree once more (`agree_now`), so a signal that arrived during the write stops at that checkpoint."""
+
+    def __init__(self):
+        self.signal, self.armed, self._pending = None, False, None
+        for s in STOP_SIGNALS:
+            signal.signal(s, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        if not self.armed:  # nothing to save: die of the signal, as without this handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+            rank = os.environ.get("RANK", "0")  # (os.write: a print() inside a handler may re-enter its lock)
+            os.write(2, f"rank {rank}: {self.signal} received: stopping at the next step boundary with a "
+                        f"checkpoint\n".encode())
+
+    def finished(self):
+        """The stop is complete (checkpoint and STOPPED written): further stop signals are ignored, to the end of the
+        process. A repeat can arrive late (over ssh, say); with the default action restored it would kill the rank
+        while it exits, and torchrun would report a failure (on multi-node, hold the others at its exit barrier).
+        Python's shutdown leaves an ignored signal ignored."""
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+    def local(self):
+        """This rank's flag, for the step's all-reduce: 1.0 once a stop signal arrived."""
+        return 1.0 if self.signal else 0.0
+
+    def agreed(self, total):
+        """True when the ranks agree to stop after this step. `total`: the step's all-reduced flags (a 1-element
+        tensor). On CPU it is read now; on a GPU the previous step's is read (see the class docstring)."""
+        if total.device.type != "cuda":
+            return total.item() > 0
+        host = torch.empty(1, pin_memory=True)
+        host.copy_(total, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        previous, self._pending = self._pending, (host, event)
+        if previous is None:
+            return False
+        previous[1].synchronize()
+        return previous[0].item() > 0
+
+    def agree_now(self, device):
+        """One small all-reduce of the flags, read at once: after a checkpoint write."""
+        t = torch.tensor([self.local()], device=device)
+        torch.distributed.all_reduce(t)
+        return t.item() > 0
+
+
+def write_stopped(out_dir, message):
+    """out_dir/STOPPED (rank 0, after the checkpoint is complete): the one line launch.sh repeats last."""
+    tmp = os.path.join(out_dir, "STOPPED.tmp")
+    with open(tmp, "w") as f:
+        f.write(message + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(out_dir, "STOPPED"))
