@@ -30,7 +30,7 @@ max_open_stores = 64  # stores kept open per rank (least recently used closed fi
 make_synthetic = False  # create a synthetic volume at data_paths[0] if it does not exist (quickstart)
 synthetic_shape = (128, 128, 256)  # (inline, crossline, time) of that synthetic volume
 synthetic_chunks = (64, 64, 64)  # its Zarr chunks
-# data streaming (reader.py, data.py)
+# data streaming (infra/reader.py, data.py)
 in_flight = 16  # requests in flight per rank (on one event loop; also sizes the S3 connection pool)
 read_threads = 0  # decompression threads per rank (0: the CPUs this rank may use / the ranks on its node)
 prefetch = 2  # micro batches read ahead of compute
@@ -48,7 +48,7 @@ mask_ratio = 0.75  # fraction of tokens hidden from the encoder
 norm_pix_loss = False  # normalise each target patch by its own mean / std
 compile = False  # torch.compile each block (the ring stays one opaque op); off until measured on a GPU
 grad_ckpt = False  # activation checkpointing: keep a block's input only, recompute the block in backward
-ckpt_blocks = -1  # with grad_ckpt: how many blocks (-1 every one; model.ckpt_order which; plan.py: the least)
+ckpt_blocks = -1  # with grad_ckpt: how many blocks (-1 every one; model.ckpt_order which; infra/plan.py: the least)
 # context parallelism: each sample's tokens split over cp ranks (contiguous inline slabs)
 cp = 1  # ranks per sample; world size must be a multiple; at most one node (8) in practice
 cp_impl = "ring"  # ring (ring_attention.py) | torch (PyTorch's own ring functions, checked against ours at start)
@@ -67,7 +67,7 @@ dtype = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
 strategy = "zero2"  # zero2 (DeepSpeed ZeRO-2) | zero3 (DeepSpeed ZeRO-3) | fsdp2 (PyTorch fully_shard)
 zero_bucket = int(5e8)  # DeepSpeed's gradient bucket, in elements (its default): GPU memory vs. fewer collectives
 zero3_max_live = int(1e9)  # ZeRO-3: weights reused within this many elements stay gathered; caps prefetch too
-# validation (evaluate.py) and figures (reconstruct.py)
+# validation (infra/evaluate.py) and figures (scripts/reconstruct.py)
 val_paths = []  # held-out stores (as data_paths; also manifest lines with split "val"); none: the last val_frac
 val_frac = 0.1  # inline fraction of each training volume held out (when val_paths is empty); 0 = no validation
 eval_interval = 100  # steps between evaluations (also one before the first step and one after the last)
@@ -79,9 +79,9 @@ tensorboard = False  # also send scalars and figures to torch.utils.tensorboard,
 log_interval = 10  # steps between log lines
 ckpt_interval = 100  # steps between checkpoints (one is also written at the end)
 keep_ckpts = 2  # complete checkpoints kept; keep >= 2: the newest may be mid-write when a job dies
-resume = True  # continue from the newest complete checkpoint in out_dir, if any (on any world size: checkpoint.py)
+resume = True  # continue from the newest complete checkpoint in out_dir, if any (on any world size: infra/checkpoint.py)
 allow_batch_change = False  # resume with another global batch: the stream goes on at the next unseen sample
-init_from = ""  # a new run starts from these weights (export.py's model file, or an out_dir): warm start, step 0
+init_from = ""  # a new run starts from these weights (scripts/export.py's model file, or an out_dir): warm start, step 0
 ckpt_write_gbps = 2.0  # out_dir's write bandwidth, GB/s: the planner's checkpoint time (and stop_lead_s's)
 stop_step = 0  # > 0: stop after this step as if interrupted (checkpoint, exit); tests use it
 seed = 0  # data, mask and init randomness

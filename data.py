@@ -4,7 +4,7 @@ Seismic volumes in, training samples out.
   (infra/reader.py opens a store and reads crops from it; infra/synthetic.py writes the quickstart's synthetic
   volume as an MDIO store; infra/library.py finds and indexes stores)
   samplers(cfg, ...)         a run's training and held-out Samplers, from its config (train.py's setup)
-  Sampler                    random crops from one or more stores (URLs, or library.py's records: opened
+  Sampler                    random crops from one or more stores (URLs, or infra/library.py's records: opened
                              when first needed, a bounded number kept open), each store drawn by its live
                              volume (or uniformly, or by a manifest's weights). A sample is a pure function of
                              (seed, global sample index), and the global index a function of
@@ -246,7 +246,7 @@ def mask_noise(seed, ids, L, cp_rank=0, cp_size=1, stream="train"):
 class Prefetcher:
     """Iterator over the micro batches of steps [start, end), read `depth` micro batches ahead by a pool
     of threads so that reading and decompressing overlap the model's compute (each thread waits while its
-    micro batch's requests run on zarr's event loop and its chunks decode in reader.py's pool). Yields
+    micro batch's requests run on zarr's event loop and its chunks decode in infra/reader.py's pool). Yields
     prepare(*Sampler.batch(...)) in order (Sampler.batch's (x, ids) without prepare): train.py's prepare makes the mask and casts and pins the batch in these threads, so that the
     training thread only starts an asynchronous copy. close() cancels and joins the threads."""
 

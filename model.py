@@ -267,7 +267,7 @@ class MAE(nn.Module):
 
     def ckpt_order(self):
         """Every block, in the order activation checkpointing takes them: most activation bytes freed per FLOP
-        recomputed first. A checkpointed block keeps its input (C per token) instead of 17 C (plan.py's
+        recomputed first. A checkpointed block keeps its input (C per token) instead of 17 C (infra/plan.py's
         BLOCK_SAVED), so it frees ~16 C N bytes per sample and costs its forward again, (8 + 4 mlp) N C^2 +
         4 N^2 C FLOPs: the ratio is ~16 / ((8 + 4 mlp) C + 4 N), larger for the stack with the smaller
         (8 + 4 mlp) C + 4 N. Under cp both N and the bytes divide by cp, the order does not change. At
@@ -440,7 +440,7 @@ def mae_large(**kw): return MAE(dim=1024, depth=24, heads=16, dec_dim=512, dec_d
 def mae_huge(**kw):  return MAE(dim=1280, depth=32, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)
 def mae_giant(**kw): return MAE(dim=1408, depth=40, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)  # ViT-g
 def mae_G(**kw):     return MAE(dim=1664, depth=48, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)  # ViT-G
-# The same widths and parameters with head dims the fused attention kernels run best (64, 128; plan.py's shape
+# The same widths and parameters with head dims the fused attention kernels run best (64, 128; infra/plan.py's shape
 # flags): ViT-G's heads of 104 and the decoders' heads of 32 run on padded or slower kernels. Heads change no
 # parameter count (qkv is C x 3C whatever the split); they change the function, so a run cannot switch mid-way.
 def mae_large_h64(**kw): return MAE(dim=1024, depth=24, heads=16, dec_dim=512, dec_depth=8, dec_heads=8, **kw)

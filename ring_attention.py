@@ -51,7 +51,7 @@ _waits = {"host_s": 0.0, "events": []}
 
 
 def comm_wait_s(reset=False):
-    """Seconds this process's ring spent waiting for transfers since the last reset (bench.py reads it)."""
+    """Seconds this process's ring spent waiting for transfers since the last reset (bench/step.py reads it)."""
     if _waits["events"]:
         torch.cuda.synchronize()
         _waits["host_s"] += sum(a.elapsed_time(b) for a, b in _waits["events"]) / 1000
@@ -76,7 +76,7 @@ def check_head_dim(d):
 def block_kernel(q, k, v, scale):
     """Which fused kernel runs a block: the one F.scaled_dot_product_attention would pick for these inputs (so
     torch.nn.attention.sdpa_kernel pins it, as for plain SDPA): 'cpu' (the CPU flash kernel), or on CUDA 'cudnn'
-    (cuDNN's, what SDPA picks for bf16 on an H200 with torch 2.11: the fastest there, see bench_gpu.py
+    (cuDNN's, what SDPA picks for bf16 on an H200 with torch 2.11: the fastest there, see bench/gpu.py
     attention_rates), 'flash' (FlashAttention-2) or 'efficient' (memory-efficient, the one for fp32)."""
     if q.device.type == "cpu":
         return "cpu"

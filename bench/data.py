@@ -1,9 +1,9 @@
 """
-The reader's and the survey library's benches (bench.py data / bench.py library run them; bench.py prints the
-JSON line):
+The reader's and the survey library's benches (`python -m bench data` and `python -m bench library` run them and
+print the JSON line):
 
-    python bench.py data [--latency_ms=20] [--crops=128] [--levels=(1,4,16,64)]   our reader vs a plain zarr read
-    python bench.py library [--stores=(100,1000)]                                  start-up and memory per rank
+    python -m bench data [--latency_ms=20] [--crops=128] [--levels=(1,4,16,64)]   our reader vs a plain zarr read
+    python -m bench library [--stores=(100,1000)]                                  start-up and memory per rank
 
 Speed is shown here, side by side in one run, never asserted in tests.
 """
@@ -20,7 +20,7 @@ from infra.plan import table
 
 
 # -----------------------------------------------------------------------------
-# data: our reader (reader.py: requests in flight on zarr's event loop, decompression in a pool, many crops at
+# data: our reader (infra/reader.py: requests in flight on zarr's event loop, decompression in a pool, many crops at
 # once) against a plain zarr slice read of the same crops one after another, (a) on a local store behind an
 # emulated per-request latency, like S3's time to first byte, and (b) on a loopback S3 endpoint (moto); then a
 # quickstart training run reading from that S3 endpoint, with its data-wait fraction.
@@ -238,7 +238,7 @@ def _library_worker(argv):
 
 
 def bench_library(argv):
-    """Start-up and memory per rank against the number of stores (library.py): N small MDIO stores (32 x 32 x 64) on
+    """Start-up and memory per rank against the number of stores (infra/library.py): N small MDIO stores (32 x 32 x 64) on
     local disk behind an emulated latency per request (20 ms: an S3 GET's time to first byte; opening a store takes
     13 requests). Start-up: until the rank's sampler exists. Three ways: a manifest (one file read; stores opened
     when a sample needs them), the list as train.py treats it now (rank 0 indexes it, in_flight stores at a time,

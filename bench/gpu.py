@@ -1,8 +1,8 @@
 """
-The GPU check: one call on a GPU machine (gpu_check.sh runs it there), built so that no failure wastes it.
+The GPU check: one call on a GPU machine (bench/gpu_check.sh runs it there), built so that no failure wastes it.
 
-    python bench_gpu.py [--out=DIR] [--budget_s=480] [--only=ops,self_ring] [--limit_s=S]   on the GPU
-    python bench_gpu.py --cpu-smoke [--out=DIR]                       the same code paths on CPU
+    python -m bench.gpu [--out=DIR] [--budget_s=480] [--only=ops,self_ring] [--limit_s=S]   on the GPU
+    python -m bench.gpu --cpu-smoke [--out=DIR]                       the same code paths on CPU
 
 Each section runs in a process of its own, with a clean environment (no MASTER_PORT, RANK, WORLD_SIZE or
 LOCAL_RANK inherited: a section that starts a process group, or train.py, picks its own port) and its own
@@ -10,7 +10,7 @@ timeout (SECTIONS, capped by what is left of --budget_s and by --limit_s), and a
 numbers and "ok", its pass/fail against a stated threshold) to DIR/gpu_check.jsonl the moment it ends: a crash,
 a hang or the call's time limit loses that section only. Sections run most decisive first:
 
-  env              devices, versions, the project's imports (the wheels gpu_check.sh installed)
+  env              devices, versions, the project's imports (the wheels bench/gpu_check.sh installed)
   nccl             an NCCL all-reduce and broadcast on this GPU
   self_p2p         batch_isend_irecv to this rank itself: can the ring's real exchange run on one GPU?
   ops              the ring's block ops (bf16: the kernel SDPA picks, and flash pinned; fp32: memory-efficient)
@@ -20,17 +20,17 @@ a hang or the call's time limit loses that section only. Sections run most decis
   torch_cp         cp_impl='torch' (PyTorch's ring functions with this GPU's flash / efficient / cuDNN ops) and
                    its guard against our ring
   big_blocks       one ViT-G encoder block and one decoder block at big_context's per-rank shapes, W = 8
-                   self-ring: time and max_memory_allocated beside plan.py's terms, output against SDPA's
+                   self-ring: time and max_memory_allocated beside infra/plan.py's terms, output against SDPA's
   attention_rates  SDPA fwd and fwd+bwd TFLOP/s by backend (flash, efficient, cuDNN, pinned) and head dim
-                   (32 / 64 / 104 / 128) at 102,400 tokens, beside plan.py's attention_tflops
+                   (32 / 64 / 104 / 128) at 102,400 tokens, beside infra/plan.py's attention_tflops
   bf16_step        quickstart steps in bf16 under ZeRO-2 on NCCL: finite, decreasing losses; ms/step
   then, while time remains: memory (the planner's state terms against torch.cuda's allocator), bf16_strategies
   (zero2 vs fsdp2 on the same masks), batch_copy (pinned non-blocking vs pageable), compile (eager vs compiled
-  steps, losses compared), stop_signal (SIGTERM, the stop flag read a step late, the relaunch), embed (embed.py
+  steps, losses compared), stop_signal (SIGTERM, the stop flag read a step late, the relaunch), embed (scripts/embed.py
   on the GPU against the CPU), elastic (a 2-CPU-rank checkpoint resumed on the GPU).
 
-The sections: bench_gpu_attention.py (env .. attention_rates, and the helpers they share) and
-bench_gpu_training.py (bf16_step .. elastic); this file is the runner.
+The sections: bench/gpu_attention.py (env .. attention_rates, and the helpers they share) and
+bench/gpu_training.py (bf16_step .. elastic); this file is the runner.
 
 --cpu-smoke runs every section's exact code path on CPU (CUDA hidden, gloo, small sizes), each in its own
 process as on the GPU, so that nothing fails on the GPU for a reason a CPU can show (tests/test_gpu_check.py).
@@ -124,11 +124,11 @@ def main(argv):
         if a.startswith("--") and "=" in a:
             k, v = a[2:].split("=", 1)
             if k not in opts:
-                raise SystemExit(f"bench_gpu.py: unknown option {a} (known: --cpu-smoke, "
+                raise SystemExit(f"bench/gpu.py: unknown option {a} (known: --cpu-smoke, "
                                  f"{', '.join('--' + k for k in opts)})")
             opts[k] = v
         elif a != "--cpu-smoke":
-            raise SystemExit(f"bench_gpu.py: unknown argument {a}")
+            raise SystemExit(f"bench/gpu.py: unknown argument {a}")
     out_dir = os.path.abspath(opts["out"])
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, "gpu_check.jsonl")):

@@ -1,5 +1,5 @@
 """
-The GPU check's sections on the GPU itself, its collectives and attention (bench_gpu.py runs each in its own
+The GPU check's sections on the GPU itself, its collectives and attention (bench/gpu.py runs each in its own
 process; its docstring says what each shows and why in this order): env, nccl, self_p2p, ops, self_ring, torch_cp,
 big_blocks, attention_rates. And the helpers every section shares. Each sec_NAME(smoke, dev, out_dir) returns a
 dict with "ok" (its pass/fail against the threshold its docstring states) and what it measured.
@@ -272,7 +272,7 @@ def sec_big_blocks(smoke, dev, out_dir):
     """One ViT-G encoder block and one decoder block at big_context's per-rank shapes (1,179,648 tokens over cp 8:
     the encoder's 294,912 visible tokens + cls -> 36,864 per rank at width 1664, heads of 104; the decoder's
     147,456 per rank at width 512, heads of 32), bf16, the ring a W = 8 self-ring: forward + backward time and
-    max_memory_allocated beside plan.py's attention time at its kernel rates and its matmul time at the MFU
+    max_memory_allocated beside infra/plan.py's attention time at its kernel rates and its matmul time at the MFU
     assumption, and its memory terms; the output and input gradient against the same block on plain SDPA at the
     local shapes. Pass (GPU): within SDPA's bf16 tolerance, the planned time within a third of the measured one,
     the measured peak under the planner's bound."""
@@ -338,8 +338,8 @@ def sec_big_blocks(smoke, dev, out_dir):
                      f"{P.attention_tflops(d):.0f}", f"{peak / 2 ** 30:.2f}", f"{plan_mem / 2 ** 30:.2f}", f"{err:.1e}",
                      "ok" if ok else "FAIL"])
     print(f"one block at big_context's per-rank shapes, {str(dtype)[6:]}, self-ring W={W} ({via})")
-    table(rows, ["block", "kernel", "tokens/rank", "width", "head dim", "fwd+bwd ms", "plan.py ms", "attn TFLOP/s",
-                 "plan.py attn TFLOP/s", "peak GiB", "plan.py GiB (bound)", "err vs SDPA", "ok"])
+    table(rows, ["block", "kernel", "tokens/rank", "width", "head dim", "fwd+bwd ms", "infra/plan.py ms", "attn TFLOP/s",
+                 "infra/plan.py attn TFLOP/s", "peak GiB", "infra/plan.py GiB (bound)", "err vs SDPA", "ok"])
     dist.destroy_process_group()
     res["ok"] = all(res[s[0]]["ok"] for s in stacks)
     return res
@@ -374,7 +374,7 @@ def attention_rates(device, N=102_400, head_dims=(32, 64, 104, 128), width=1024,
 
 def sec_attention_rates(smoke, dev, out_dir):
     """Pass: at the head dims the configs use (32, 64, 104, 128), the fwd+bwd rate of the kernel SDPA picks (the
-    one the ring's blocks run: 'default') is within a third of what plan.py assumes (ATTN_TFLOPS): else its step
+    one the ring's blocks run: 'default') is within a third of what infra/plan.py assumes (ATTN_TFLOPS): else its step
     times, samples/s and stop lead are off by more; put the measured numbers there)."""
     from torch.nn.attention import SDPBackend
 
@@ -392,7 +392,7 @@ def sec_attention_rates(smoke, dev, out_dir):
                      f"{P.attention_tflops(d):.0f}", f"{ratio[d]:.2f}"])
     print("SDPA at N = 102,400 tokens, bf16, about 1024 / d heads of d: fwd / fwd+bwd TFLOP/s by pinned backend"
           if not smoke else "SDPA (smoke: N = 256, fp32)")
-    table(rows, ["head dim", *rates, "plan.py assumes (fwd+bwd)", "default / assumed"])
+    table(rows, ["head dim", *rates, "infra/plan.py assumes (fwd+bwd)", "default / assumed"])
     ok = all(r > 0 for r in ratio.values()) and (smoke or all(0.75 <= r <= 1.33 for r in ratio.values()))
     return {"tflops": {b: {str(d): ([round(x, 1) for x in v] if v else None) for d, v in r.items()}
                        for b, r in rates.items()},

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The GPU check in one call on a single-GPU machine without internet access: bench_gpu.py, each section in its own
+# The GPU check in one call on a single-GPU machine without internet access: bench/gpu.py, each section in its own
 # process with its own timeout, each section's JSON line appended to $OUT/gpu_check.jsonl as it ends, the whole
 # log in $OUT/gpu_check.log, the summary in $OUT/gpu_check_summary.json (and as the log's last line).
 #
 # Such a machine typically has Python and PyTorch but not deepspeed, zarr or numcodecs, and cannot download them.
-# So the wheels are fetched (and deepspeed's built) on a machine with internet, and travel with the repository:
-#   with internet:  bash gpu_check.sh wheels     -> ./wheels (about 40 MB; gitignored)
-#   on the GPU:     bash gpu_check.sh [--budget_s=480] [--only=ops,self_ring]   (arguments go to bench_gpu.py)
+# So the wheels are fetched (and deepspeed's built) on a machine with internet and copied with the repository:
+#   with internet:  bash bench/gpu_check.sh wheels     -> ./wheels (about 40 MB; gitignored)
+#   on the GPU:     bash bench/gpu_check.sh [--budget_s=480] [--only=ops,self_ring]   (arguments go to bench/gpu.py)
 # There only the wheels whose package the machine lacks (or has in an older version) are installed, beside the
 # repository (./.gpu_site), never over the machine's own packages.
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repository's root: wheels/ and .gpu_site/ live there
 PY=${PYTHON:-python3}
 
 if [ "${1:-}" = wheels ]; then
@@ -28,7 +28,7 @@ if [ "${1:-}" = wheels ]; then
   exit 0
 fi
 
-[ -d wheels ] || { echo "error: no ./wheels: run 'bash gpu_check.sh wheels' on a machine with internet first" >&2; exit 2; }
+[ -d wheels ] || { echo "error: no ./wheels: run 'bash bench/gpu_check.sh wheels' on a machine with internet first" >&2; exit 2; }
 # which wheels does this machine lack? (by distribution name and version; an older installed version is shadowed)
 NEED=$("$PY" - wheels/*.whl <<'EOF'
 import importlib.metadata as md, os, sys
@@ -53,4 +53,4 @@ export TORCH_NCCL_HIGH_PRIORITY=1  # as launch.sh's GPU environment
 nvidia-smi -L || true
 OUT=${OUT:-.}
 mkdir -p "$OUT"
-"$PY" bench_gpu.py --out="$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+"$PY" -m bench.gpu --out="$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"

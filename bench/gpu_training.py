@@ -1,6 +1,6 @@
 """
-The GPU check's sections on the training path (bench_gpu.py runs each in its own process): bf16_step, memory,
-bf16_strategies, batch_copy, compile, stop_signal, embed, elastic: train.py, embed.py and the strategies on this
+The GPU check's sections on the training path (bench/gpu.py runs each in its own process): bf16_step, memory,
+bf16_strategies, batch_copy, compile, stop_signal, embed, elastic: train.py, scripts/embed.py and the strategies on this
 device, against the CPU or each other. Each sec_NAME(smoke, dev, out_dir) returns a dict with "ok" and what it
 measured.
 """
@@ -160,9 +160,9 @@ def sec_stop_signal(smoke, dev, out_dir, steps=None):
 
 
 def sec_embed(smoke, dev, out_dir, steps=None):
-    """embed.py on this device (NCCL, windows batched per forward) against embed.py on the CPU (CUDA hidden): a
+    """scripts/embed.py on this device (NCCL, windows batched per forward) against scripts/embed.py on the CPU (CUDA hidden): a
     short fp32 quickstart run's encoder over the whole quickstart volume. Pass: features within 1e-2 of their
-    largest magnitude (cuDNN may run the patch embedding in TF32: ~1e-3), and embed.py's JSON line from both."""
+    largest magnitude (cuDNN may run the patch embedding in TF32: ~1e-3), and scripts/embed.py's JSON line from both."""
     import zarr
     steps = steps or (4 if smoke else 10)
     d = os.path.join(out_dir, "embed")
@@ -181,7 +181,7 @@ def sec_embed(smoke, dev, out_dir, steps=None):
         rates[where] = json.loads(e.stdout.strip().splitlines()[-1])["tokens_per_s"]
         feats[where] = np.asarray(zarr.open_group(f"{d}/{where}.zarr", mode="r")["features"][:])
     err = float(np.abs(feats["device"] - feats["cpu"]).max() / max(np.abs(feats["cpu"]).max(), 1e-12))
-    print(f"embed.py on {dev.type} vs the CPU: features differ by {err:.2e} of their largest magnitude; "
+    print(f"scripts/embed.py on {dev.type} vs the CPU: features differ by {err:.2e} of their largest magnitude; "
           f"{rates['device']:,.0f} vs {rates['cpu']:,.0f} tokens/s")
     return {"rel_err": err, "device_tokens_per_s": rates["device"], "cpu_tokens_per_s": rates["cpu"], "ok": err <= 1e-2}
 

@@ -1,12 +1,12 @@
 """
-The planner (plan.py) checked against measurements on this machine (bench.py plan runs it; bench.py prints the
-JSON line):
+The planner (infra/plan.py) checked against measurements on this machine (`python -m bench plan` runs it and prints
+the JSON line):
 
-    python bench.py plan CONFIG [--key=value ...]     the plan of CONFIG, then these checks
+    python -m bench plan CONFIG [--key=value ...]     the plan of CONFIG, then these checks
 
 calibrate(): its FLOP and activation terms on small models, and the ring's backward memory; memory_check(): its
 weight/gradient/optimizer terms per strategy against real 2- and 4-rank training (GPU_MEMORY_CASES: on one GPU,
-bench_gpu_training.py). tests/test_planner.py holds them to 25 %.
+bench/gpu_training.py). tests/test_planner.py holds them to 25 %.
 """
 
 import json
@@ -16,9 +16,8 @@ import sys
 
 import torch
 
-from infra.plan import activation_bytes, param_counts, state_bytes, step_bytes, table
+from infra.plan import activation_bytes, config_plan, param_counts, report, state_bytes, step_bytes, table
 from model import build_model
-from scripts.plan import config_plan, report
 
 
 
@@ -132,7 +131,7 @@ def _memory_worker(argv):
     configurator.apply(cfg, argv)
     train.check_config(cfg)
     steps = 3  # step 0 creates Adam's state; steps 1 and 2 are alike; we read step 2
-    if torch.cuda.is_available():  # on a GPU (bench_gpu.py): the caching allocator's own counters
+    if torch.cuda.is_available():  # on a GPU (bench/gpu.py): the caching allocator's own counters
         job = train.setup(cfg)
         out = {}
 
@@ -232,7 +231,7 @@ MEMORY_CASES = (  # (label, ranks, strategies, train.py overrides beyond MEMORY_
 )
 
 
-GPU_MEMORY_CASES = (  # bench_gpu.py: one GPU, bf16, where overlap_comm, foreach AdamW and NCCL are real;
+GPU_MEMORY_CASES = (  # bench/gpu.py: one GPU, bf16, where overlap_comm, foreach AdamW and NCCL are real;
     # buckets of 5e7 elements, so that the two reduce buckets of overlap_comm are a large term
     ("bf16, 1 GPU, zero_bucket 5e7", 1, ("zero2", "zero3", "fsdp2"), ["--dtype=bfloat16", "--zero_bucket=50000000"]),
 )
@@ -303,7 +302,7 @@ def memory_table(rows):
 
 
 def bench_plan(argv):
-    """The plan of a config (plan.py) with the checks of its terms on this machine, JSON last."""
+    """The plan of a config (infra/plan.py) with the checks of its terms on this machine, JSON last."""
     import train
     cfg, p = config_plan(argv)
     train.check_config(cfg)

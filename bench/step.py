@@ -235,9 +235,9 @@ def bench_attention(argv):
 
 
 def bench_embed(argv, steps=20):
-    """embed.py's throughput (tokens encoded per second, every token visible) beside training's (tokens per second
+    """scripts/embed.py's throughput (tokens encoded per second, every token visible) beside training's (tokens per second
     through the whole MAE step) on this machine, one process each, on the quickstart's volume and model shape: a
-    quickstart run of `steps` steps is trained first, and embed.py encodes the whole volume with its checkpoint."""
+    quickstart run of `steps` steps is trained first, and scripts/embed.py encodes the whole volume with its checkpoint."""
     import subprocess
     import tempfile
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -251,12 +251,12 @@ def bench_embed(argv, steps=20):
         if r.returncode != 0:
             raise SystemExit(f"training for bench embed failed: {r.stderr[-2000:]}")
         runs = {}
-        for name, extra in (("one", ["--batch=1"]), ("batched", [])):  # one window per forward, then embed.py's default
+        for name, extra in (("one", ["--batch=1"]), ("batched", [])):  # one window per forward, then scripts/embed.py's default
             e = subprocess.run([sys.executable, "-m", "scripts.embed", f"{d}/run", f"{d}/qs.mdio",
                                 f"--out={d}/features_{name}.zarr", *extra], env=env, capture_output=True, text=True,
                                cwd=here)
             if e.returncode != 0:
-                raise SystemExit(f"embed.py failed: {e.stderr[-2000:]}")
+                raise SystemExit(f"scripts/embed.py failed: {e.stderr[-2000:]}")
             runs[name] = json.loads(e.stdout.strip().splitlines()[-1])
     emb, one = runs["batched"], runs["one"]
     train_tok = t["samples_per_s"] * t["tokens"]

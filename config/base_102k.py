@@ -8,21 +8,21 @@
 #                                decoder  8 x (24 L d^2 + 4 L^2 d),  L = 102,400, d = 512  = 177 TFLOP
 #           (attention is 90 % of it: 4 N^2 D dominates at this length); x3 for backward = 772 TFLOP; the
 #           fused kernel runs that attention below 40 % of peak (heads of 32 in the decoder most of all), so it
-#           sets the step time: run `python plan.py config/base_102k.py`
+#           sets the step time: run `python -m scripts.plan config/base_102k.py`
 # sample:   640 x 640 x 1024 x 4 B = 1.56 GiB of float32 read per sample (200 chunks of 128^3 when aligned)
 out_dir = "out/base_102k"
 data_paths = ["data/survey.mdio"]  # point at your MDIO v1 stores (local paths here; s3:// in a later issue)
 crop = (640, 640, 1024)
 patch = (16, 16, 16)
 model_size = "large"  # decoder heads of 32, which an H200 runs at about half of 64's rate (plan.ATTN_TFLOPS);
-#                       "large_h64" (8 decoder heads of 64, same parameters): compare with python plan.py
+#                       "large_h64" (8 decoder heads of 64, same parameters): compare with python -m scripts.plan
 #                       config/base_102k.py --model_size=large_h64
 mask_ratio = 0.75
 norm_pix_loss = True
 grad_ckpt = False  # the planner: no checkpointing needed here (below); every block would cost its forward again
 
 # per GPU 1 sample; global batch = 1 x world (128 on 16 x 8 GPUs); lr = 1.5e-4 x 128 / 256 = 7.5e-5
-# planner: memory per GPU with and without checkpointing, samples/s and S3 GB/s per node: run `python plan.py
+# planner: memory per GPU with and without checkpointing, samples/s and S3 GB/s per node: run `python -m scripts.plan
 #   config/base_102k.py`. Its least checkpointing that fits with a 15 % margin on the activations is 0 blocks.
 #   Not yet measured on a GPU: if it runs out of memory, grad_ckpt = True and ckpt_blocks = a few
 #   (model.ckpt_order: encoder blocks first).

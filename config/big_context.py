@@ -1,7 +1,7 @@
 # The headline run: one sample = 1536 x 1536 x 2048 voxels, split over the 8 H200s of a node by ring
 # attention; 16 P5 nodes. Launch: bash launch.sh config/big_context.py (DRY_RUN=1 first: it prints what each
-# node will run and the planner's memory per GPU). Its memory, step time and samples/s: run `python plan.py
-# config/big_context.py` (the planner; `python bench.py plan config/big_context.py` prints it with the checks
+# node will run and the planner's memory per GPU). Its memory, step time and samples/s: run `python -m scripts.plan
+# config/big_context.py` (the planner; `python -m bench plan config/big_context.py` prints it with the checks
 # of its FLOP, activation, ring and per-strategy memory terms against measurements).
 #
 # tokens:   (1536/16) x (1536/16) x (2048/16) = 96 x 96 x 128 = 1,179,648 tokens of 16^3 voxels
@@ -29,7 +29,7 @@ data_paths = ["s3://your-bucket/survey.mdio"]  # MDIO stores, >= 1536 x 1536 x 2
 crop = (1536, 1536, 2048)
 patch = (16, 16, 16)
 model_size = "G"  # heads of 104 (encoder) and 32 (decoder) run the fused attention below 128's rate on an H200
-#                   (plan.ATTN_TFLOPS; the shapes and GPU-s of attention per sample: python plan.py
+#                   (plan.ATTN_TFLOPS; the shapes and GPU-s of attention per sample: python -m scripts.plan
 #                   config/big_context.py); "G_h128" (same widths and parameters, 13 and 4 heads of 128) runs at
 #                   128's. Kept as the published ViT-G for now: a switch is a new function (no resume across it)
 mask_ratio = 0.75

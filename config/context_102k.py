@@ -11,7 +11,7 @@
 # cluster:  16 nodes x 8 GPUs = 128 ranks, dp 128, no context parallelism (102,400 tokens fit one H200)
 # batch:    1 sample per GPU: global batch 128; lr = 1.5e-4 x 128 / 256 = 7.5e-5
 # planner: 1.41 PFLOP per sample; memory per GPU and samples/s with and without checkpointing: run `python
-#           plan.py config/context_102k.py`. The least checkpointing that fits with a 15 % margin on the
+#           infra/plan.py config/context_102k.py`. The least checkpointing that fits with a 15 % margin on the
 #           activations is 0 blocks (not yet measured on a GPU: ckpt_blocks is the fallback)
 # schedule: 20,000 steps x 128 = 2.56 M samples, in max_steps x the planner's step_s; a checkpoint every 500 steps
 out_dir = "out/context_102k"
@@ -19,7 +19,7 @@ data_paths = ["s3://your-bucket/survey.mdio"]  # MDIO stores, >= 640 x 640 x 102
 crop = (640, 640, 1024)
 patch = (16, 16, 16)
 model_size = "G"  # as stage 2 (its shape trade-off: config/big_context.py; "G_h128" against "G" here: python
-#                   plan.py config/context_102k.py --model_size=G_h128)
+#                   infra/plan.py config/context_102k.py --model_size=G_h128)
 mask_ratio = 0.75
 norm_pix_loss = True
 grad_ckpt = False  # the planner: fits without (above)

@@ -9,7 +9,7 @@
 #
 # tokens:   96 x 96 x 128 = 1,179,648 per sample, 11.5 x stage 1's; 155 PFLOP per sample, 110 x stage 1's 1.41
 #           (attention grows with the square of the length); dp 16 x cp 8 on the same 128 GPUs: global batch 16.
-#           Samples/s of each stage: run `python plan.py config/context_102k.py` and `... config/context_1m.py`
+#           Samples/s of each stage: run `python -m scripts.plan config/context_102k.py` and `... config/context_1m.py`
 import os
 
 exec(open(os.path.join(os.path.dirname(__file__), "big_context.py")).read())  # stage 2 is the headline run ...

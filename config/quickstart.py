@@ -20,7 +20,7 @@ model_size = "tiny"  # 96 wide, 4 deep encoder; 64 wide, 2 deep decoder
 mask_ratio = 0.75
 # the loss on each masked patch normalised by its own mean and std, as the 16-node configs train (and MAE's
 # paper, whose features improved with it): the encoder learns waveform and structure, not amplitude, which
-# varies with gain and processing from survey to survey. It shows downstream: probe.py scores this model's
+# varies with gain and processing from survey to survey. It shows downstream: scripts/probe.py scores this model's
 # features above a random encoder's (+0.009 +- 0.003 IoU); trained on raw amplitudes it was a tie (README)
 norm_pix_loss = True
 

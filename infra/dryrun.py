@@ -2,7 +2,7 @@
 The dry run (DRY_RUN=1 bash launch.sh CONFIG, or train.py --dry_run=True): every check that needs neither GPUs nor
 data, before paying for the cluster. The world size for the configured nodes x gpus_per_node, the SLURM
 allocation, the checkpoint a relaunch would resume from (or the init_from weights) against this config, the
-batch arithmetic, and the planner's verdict (plan.py): memory per GPU, the least activation checkpointing that
+batch arithmetic, and the planner's verdict (infra/plan.py): memory per GPU, the least activation checkpointing that
 fits, samples/s, the stop lead SLURM's warning needs. Prints LAUNCH lines that launch.sh reads; a config that
 cannot run is a ConfigError (exit 2), the last thing the user sees.
 """

@@ -72,7 +72,7 @@ def prepare(model, crop, cp=1):
 
 def features_of(model, vol, crop, stride):
     """The features of a whole normalised volume (numpy, (I, X, T) voxels) in this one process: (I/pz, X/py, T/px,
-    D), each token from the window in which it is most central (what embed.py writes, without a store)."""
+    D), each token from the window in which it is most central (what scripts/embed.py writes, without a store)."""
     patch = model.patch
     w = prepare(model, crop)
     grid = tuple(s // p for s, p in zip(vol.shape, patch))

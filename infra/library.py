@@ -3,7 +3,7 @@ A library of surveys: thousands of MDIO/Zarr stores, found by glob patterns and 
 a run opens none of them at start-up (data.Sampler opens a store when a sample first needs it, and keeps a bounded
 number open).
 
-    python library.py index 's3://bucket/library/*.mdio' --out s3://bucket/library/index.jsonl
+    python -m scripts.library index 's3://bucket/library/*.mdio' --out s3://bucket/library/index.jsonl
     bash launch.sh CONFIG --data_paths="['@s3://bucket/library/index.jsonl']"
 
 data_paths (and val_paths) entries are store URLs, glob patterns and @manifests (local or any fsspec URL). The
@@ -38,7 +38,7 @@ def read_manifest(url, opts=None, cut_short_ok=False):
             lines = f.read().splitlines()
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read manifest {url!r} ({type(e).__name__}: {e}): write one with "
-                        f"python library.py index PATTERN... --out MANIFEST") from None
+                        f"python -m scripts.library index PATTERN... --out MANIFEST") from None
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -59,7 +59,7 @@ def read_manifest(url, opts=None, cut_short_ok=False):
             if cut_short_ok and n == len(lines):
                 continue
             raise DataError(f"manifest {url!r} line {n} is not a store record ({e}): {line[:120]!r}; write manifests "
-                            f"with python library.py index, or give each line the keys {list(RECORD_KEYS)}") from None
+                            f"with python -m scripts.library index, or give each line the keys {list(RECORD_KEYS)}") from None
         out.append(r)
     if not out and not cut_short_ok:
         raise DataError(f"manifest {url!r} lists no store")

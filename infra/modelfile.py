@@ -68,7 +68,7 @@ def find_checkpoint(out_dir, tag=None):
     step_* directory without COMPLETE may be a write that died half-way (checkpoint.save writes the marker last)."""
     if os.path.isfile(out_dir):
         raise configurator.ConfigError(f"{out_dir} is a file, not a run's out_dir (to check a model file: "
-                                       f"python export.py --check={out_dir})")
+                                       f"python -m scripts.export --check={out_dir})")
     ckpt_dir = os.path.join(out_dir, "ckpt")
     if not checkpoint.complete_checkpoints(ckpt_dir) and checkpoint.complete_checkpoints(out_dir):
         ckpt_dir = out_dir  # given OUT_DIR/ckpt itself
@@ -174,7 +174,7 @@ def _read_checkpoint(ckpt_dir, tag, meta):
     cfg = meta["config"]
     strategy = cfg.get("strategy", "zero2")  # runs before FSDP2 existed were all ZeRO-2
     if strategy not in ("zero2", "zero3", "fsdp2"):
-        raise configurator.ConfigError(f"{ckpt_dir}/{tag} was written by strategy {strategy!r}; export.py reads "
+        raise configurator.ConfigError(f"{ckpt_dir}/{tag} was written by strategy {strategy!r}; scripts/export.py reads "
                                        f"zero2, zero3 and fsdp2 checkpoints")
     path = os.path.join(ckpt_dir, tag)
     template = build_model(cfg, device="meta").state_dict()  # names and shapes only
@@ -268,23 +268,23 @@ def read_model_file(path_or_obj, map_location="cpu", mmap=False):
                 text = text.split("WeightsUnpickler error:", 1)[1]
             why = next((line.split(". ")[0] for line in text.splitlines() if line.strip()), "empty or truncated")
             raise configurator.ConfigError(f"{name} is not a seismic-mae model file (torch.load with weights_only=True "
-                                           f"cannot read it: {why.strip()}); write one with python export.py "
+                                           f"cannot read it: {why.strip()}); write one with python -m scripts.export "
                                            f"OUT_DIR") from None
     else:
         name, obj = "the object given", path_or_obj
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise configurator.ConfigError(f"{name} is not a seismic-mae model file (no format {FORMAT!r}): "
-                                       f"write one with python export.py OUT_DIR")
+                                       f"write one with python -m scripts.export OUT_DIR")
     if obj.get("version") != VERSION:
         raise configurator.ConfigError(f"{name} is a seismic-mae model file of version {obj.get('version')!r}; this "
-                                       f"export.py reads version {VERSION}")
+                                       f"scripts/export.py reads version {VERSION}")
     meta = {k: v for k, v in obj.items() if k != "model"}
     meta["tag"] = (obj.get("source") or {}).get("tag")
     return obj["model"], meta
 
 
 def _no_decoder(*args, **kwargs):
-    raise RuntimeError("this MAE was loaded from an encoder-only file (export.py --encoder_only): it has no decoder "
+    raise RuntimeError("this MAE was loaded from an encoder-only file (scripts/export.py --encoder_only): it has no decoder "
                        "and cannot reconstruct or compute the MAE loss. Use model.forward_encoder(patches, ids_keep), "
                        "or export without --encoder_only")
 
@@ -338,7 +338,7 @@ def init_source(path):
         return meta["config"], f"{ckpt_dir}/{tag} (step {meta['step']})"
     if not os.path.exists(path):
         raise configurator.ConfigError(f"init_from={path!r}: no such file or directory; give a model file (python "
-                                       f"export.py OUT_DIR writes one) or a run's out_dir")
+                                       f"scripts/export.py OUT_DIR writes one) or a run's out_dir")
     _, meta = read_model_file(path, mmap=True)
     return meta["config"], f"{path} (step {meta['step']}{', encoder only' if meta.get('encoder_only') else ''})"
 

@@ -7,14 +7,16 @@ rest at an MFU assumption) and the samples/s it gives, the time a stop signal ne
     python -m scripts.plan config/big_context.py [--nodes=16 --gpu=H100 --mfu=0.35 ...]   the plan, JSON last
 
 train.py's dry run (DRY_RUN=1 bash launch.sh ...) prints it too. Its terms are checked against measurements on
-this machine by bench_plan.py (calibrate: FLOPs, activation bytes and the ring's backward memory on small models;
+this machine by bench/plan.py (calibrate: FLOPs, activation bytes and the ring's backward memory on small models;
 memory_check: the weight, gradient and optimizer bytes each strategy really allocates on 2 and 4 CPU ranks):
-`bench.py plan CONFIG` is this plan with those checks. This file imports neither train.py nor bench.py (both
+`python -m bench plan CONFIG` is this plan with those checks. This file imports neither train.py nor bench/step.py (both
 import it).
 """
 
+import argparse
 import math
 
+import configurator
 from model import build_model
 
 
@@ -156,7 +158,7 @@ def step_bytes(st, act):
 # The fused attention kernel's useful rate by head dim, forward + backward (FLOPs 4 N^2 d per head forward and
 # ATTN_BWD x that backward, over the time of both), TFLOP/s on one H200 in bf16, non-causal, 102,400 tokens: the
 # kernel F.scaled_dot_product_attention picks there, which is the one the ring's blocks run (ring_attention.
-# block_kernel): cuDNN's with torch 2.11. Measured by `bash gpu_check.sh` (bench_gpu.py, section
+# block_kernel): cuDNN's with torch 2.11. Measured by `bash bench/gpu_check.sh` (bench/gpu.py, section
 # attention_rates; the run is docs/gpu_check/h200_run1.jsonl, where FlashAttention-2 measured 225 / 302 / 325
 # and the memory-efficient kernel 64 / 117 / 148 at the same head dims). Head dims in between run on the next
 # tile size up (104 on 128's kernel: 104/128 of its FLOPs are ours; measured at 104: 442, this model gives 462);
@@ -282,7 +284,7 @@ def ring_bytes(N, C, d, elem, W, on_gpu=True):
     out with its fp32 cast (e + 8). Measured by bench_plan.calibrate on CPU (fp32 and bf16; W = 2 and 4, one rank's
     exact computation with the exchange done as a local copy: 2 to 4 real gloo ranks allocate the same) to within
     the CPU kernel's fixed scratch; the GPU terms are from PyTorch's flash backward source. On the H200 the whole
-    block (its activations and this) peaked below the planner's sum (bench_gpu.py big_blocks)."""
+    block (its activations and this) peaked below the planner's sum (bench/gpu.py big_blocks)."""
     e = elem
     per = e + 4 + 2 * e + (2 * e if W > 2 else 0) + 2 * 4 + 2 * 4 + 3 * e + e
     if on_gpu:
@@ -291,7 +293,7 @@ def ring_bytes(N, C, d, elem, W, on_gpu=True):
 
 
 ACT_MARGIN = 1.15  # the least checkpointing that fits plans for 15 % more activations than modelled (the
-#                    activation model's largest error measured here, bench_plan.py calibrate: 14 %)
+#                    activation model's largest error measured here, bench/plan.py calibrate: 14 %)
 
 
 def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
@@ -381,3 +383,60 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             "attention_s_per_step": per_step * t["attention"], "other_s_per_step": per_step * t["other"],
             "eval_s": eval_s, "ckpt_gb": round(ckpt_bytes / 1e9, 2), "ckpt_s": ckpt_s,
             "stop_lead_s": stop_lead}
+
+
+# -----------------------------------------------------------------------------
+# the plan of a command line, and its table (python -m scripts.plan, python -m bench plan)
+
+
+def report(p, name):
+    """Print plan p (plan()'s dict) as a table; name: where the config came from."""
+    print(f"{name} on {p['world'] // p['gpus_per_node']} x {p['gpus_per_node']} {p['gpu']} = {p['world']} GPUs "
+          f"(dp {p['dp']} x cp {p['cp']}), {p['strategy']}, {p['ckpt_blocks']} of {p['blocks']} blocks checkpointed")
+    rows = [["params", f"{p['params'] / 1e6:.1f} M"], ["tokens / visible", f"{p['tokens']:,} / {p['visible']:,}"],
+            ["encoder / decoder tokens per rank", f"{p['enc_tokens_per_rank']:,.0f} / {p['dec_tokens_per_rank']:,.0f}"],
+            ["FLOPs per sample (fwd+bwd)", f"{p['flops_per_sample'] / 1e12:.1f} TFLOP"]]
+    for k in ("zero2", "zero3", "fsdp2"):
+        rows.append([f"memory per GPU, {k}", f"{p['mem_by_strategy_gb'][k]:.1f} GB (states {p['states_gb'][k]:.1f})"])
+    first = {"enc": "encoder", "dec": "decoder"}[p["ckpt_order"][0]]
+    fit = (f"{p['ckpt_blocks_fit']} -> {p['samples_per_s_ckpt_fit']:.2f} samples/s" if p["ckpt_blocks_fit"] is not None
+           else "none fits")
+    rows += [["activations per GPU", f"{p['activations_gb']:.1f} GB (every block checkpointed: "
+                                     f"{p['activations_full_ckpt_gb']:.1f} GB, none: {p['activations_no_ckpt_gb']:.1f} GB)"],
+             ["checkpointed blocks", f"{p['ckpt_blocks']} of {p['blocks']} ({first} blocks first: most bytes per "
+                                     f"recomputed FLOP)"],
+             [f"least that fits (activations x {ACT_MARGIN})", f"{fit}; every block: "
+                                                             f"{p['samples_per_s_full_ckpt']:.2f} samples/s"],
+             ["ring traffic per step per rank", f"{p['ring_gb_per_step_per_rank']:.1f} GB, "
+                                               f"{'hidden' if p['ring_hidden_by_compute'] else 'NOT hidden'} by compute"],
+             ["step time (per rank)", f"{p['step_s']:.1f} s = max({p['flop_bound_s_per_step']:.1f} s FLOP-bound, "
+                                      f"{p['attention_s_per_step']:.1f} s attention + "
+                                      f"{p['other_s_per_step']:.1f} s rest)"],
+             ["predicted samples/s", f"{p['samples_per_s']:.2f} (recompute: "
+                                     f"{p['recompute_flops_per_sample'] / 1e12:.1f} TFLOP per sample)"],
+             ["stop lead (SLURM's warning)", f"{p['stop_lead_s']} s: 60 + 1.5 x (2 steps + an evaluation of "
+                                             f"{p['eval_s']:.1f} s + the checkpoint write of {p['ckpt_s']:.1f} s)"],
+             ["S3 read per node at that rate", f"{p['s3_gb_per_s_per_node']:.2f} GB/s (float32, uncompressed)"],
+             ["fits", f"{'yes' if p['fits'] else 'NO'}: {p['mem_per_gpu_gb']:.1f} GB of {p['limit_gb']} GB usable"]]
+    table(rows, ["quantity", "value"])
+    print("\nshapes per rank (tokens: this rank's x the sequence attended to; attention rate: ATTN_TFLOPS, infra/plan.py):")
+    table(p["shapes"], ["stack", "op", "shape", "tokens", "attention rate"])
+    for f in p["shape_flags"]:
+        print(f"  flag: {f}")
+    print(f"  attention, fwd + bwd, at those rates: {p['attention_gpu_s_per_sample']:.1f} GPU-s per sample "
+          f"({p['attention_gpu_s_per_sample_at_128']:.1f} if every head dim ran at 128's rate)")
+
+
+def config_plan(argv):
+    """(the config of argv: config files and --key=value over the defaults; its plan)."""
+    ap = argparse.ArgumentParser(prog="python -m scripts.plan", description=__doc__.split("\n")[1])
+    ap.add_argument("configs", nargs="*", help="config files (config/*.py), then --key=value overrides, as train.py")
+    ap.add_argument("--gpu", default="H200", help=f"one of {sorted(GPUS)}")
+    ap.add_argument("--mfu", type=float, default=0.4, help="model FLOP utilisation outside attention (0.4)")
+    a, overrides = ap.parse_known_args(argv)
+    if a.gpu not in GPUS:
+        raise configurator.ConfigError(f"--gpu={a.gpu!r} is not one of {sorted(GPUS)}")
+    cfg = configurator.defaults()
+    configurator.apply(cfg, a.configs + overrides)
+    gpn = cfg["gpus_per_node"] or 8
+    return cfg, plan(cfg, cfg["nodes"] * gpn, a.gpu, a.mfu, gpn)

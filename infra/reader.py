@@ -11,7 +11,7 @@ How a crop is read. Everything network-bound runs on zarr's one event loop (wher
 sessions, live): a crop is one task there, each of its chunks a GET that waits for a place among in_flight and
 gives it back as soon as its bytes are in. Decompression (numcodecs, which releases the GIL) and the copy into
 the crop run in a small pool of threads, never on the loop, whose one thread must stay free to start the next
-requests the moment places come back. Measured behind 20 ms emulated latency on 2 cores (bench.py data): a
+requests the moment places come back. Measured behind 20 ms emulated latency on 2 cores (python -m bench data): a
 thread per request reached 84 / 78 / 68 / 62 % of min(link limit, CPU ceiling) at 1 / 4 / 16 / 64 in flight;
 this design 88-91 / 88-90 / 82-84 / 82-83 % (two runs).
 
@@ -253,7 +253,7 @@ class Volume:
             if differ:
                 raise DataError(f"{url!r} has {', '.join(f'{k} {now[k]}' for k in differ)}, but its manifest line says "
                                 f"{', '.join(f'{k} {then[k]}' for k in differ)}: the store changed since it was "
-                                f"indexed; index it again (python library.py index ... --out MANIFEST)")
+                                f"indexed; index it again (python -m scripts.library index ... --out MANIFEST)")
         self.bytes_read = 0  # voxel bytes delivered (uncompressed), for the GB/s in the log
 
     def _open(self):
@@ -294,7 +294,7 @@ class Volume:
                 self.trace_mask = np.asarray(node["trace_mask"][:], dtype=bool)
 
     def describe(self):
-        """This store's manifest line (library.py): what sampling needs, so that a run need not open it at start-up."""
+        """This store's manifest line (infra/library.py): what sampling needs, so that a run need not open it at start-up."""
         live = 1.0 if self.trace_mask is None else float(self.trace_mask.mean())
         return {"url": self.url, "format": self.format, "shape": list(self.shape), "chunks": list(self.chunks),
                 "dtype": str(self.arr.dtype), "mean": self.mean, "std": self.std, "live_fraction": live,
@@ -343,7 +343,7 @@ class Volume:
         (RequestStore: shared with every other crop being read), then it is decoded and copied into the crop in
         opts.pool. No thread waits per request or per crop: many crops are read side by side by gathering them
         on the loop (read_crops). A layout that chunk_decoder does not know goes through zarr's own pipeline.
-        Measured behind 20 ms emulated latency on 2 cores (bench.py data): a thread per chunk request, then a
+        Measured behind 20 ms emulated latency on 2 cores (python -m bench data): a thread per chunk request, then a
         thread per crop, then zarr's pipeline (its Python per chunk and its copies on the loop) each cost a fifth
         to a half of the throughput at 16 or 64 requests in flight."""
         if any(o < 0 or o + n > s for o, n, s in zip(origin, shape, self.shape)):

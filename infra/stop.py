@@ -7,7 +7,7 @@ The stop protocol: a stop signal becomes a checkpoint that every rank agrees on,
 
 A stop signal (SIGTERM: SLURM's time limit and preemption, a scheduler's kill; SIGUSR1: SLURM's warning before
 the time limit, which launch.sh asks for) is a request: the ranks agree at the next step boundary, write a
-complete checkpoint of that step (checkpoint.py), out_dir/STOPPED says so, and they exit RESUMABLE. Running the
+complete checkpoint of that step (infra/checkpoint.py), out_dir/STOPPED says so, and they exit RESUMABLE. Running the
 same command again continues exactly where the run stopped.
 """
 import os

@@ -4,8 +4,8 @@ The training strategies behind one engine: DeepSpeed ZeRO-2, DeepSpeed ZeRO-3, P
     engine, optimizer = build(model, cfg, peak_lr, dtype, device)
 
 The engine is DeepSpeed's, or FSDP2Engine with the same few calls (engine(x, ids_keep=...), backward(loss),
-step(), save_checkpoint / load_checkpoint, .module), so train.py's loop and checkpoint.py are one code path
-for every strategy. What each strategy keeps on a rank (plan.py counts the same bytes):
+step(), save_checkpoint / load_checkpoint, .module), so train.py's loop and infra/checkpoint.py are one code path
+for every strategy. What each strategy keeps on a rank (infra/plan.py counts the same bytes):
     zero2  weights replicated; fp32 masters, AdamW moments and gradients partitioned over all ranks
     zero3  the weights partitioned too, gathered layer by layer for forward and backward
     fsdp2  like zero3, with PyTorch's DTensor shards: one all-gather per transformer block
@@ -48,7 +48,7 @@ def build(model, cfg, peak_lr, dtype, device):
             # buckets: gradients are copied into a reduce bucket of this many elements (ZeRO-2: two with
             # overlap_comm, in the compute dtype; ZeRO-3: one, in fp32) and reduced a bucket at a time; ZeRO-3
             # prefetches the next layers' weights up to a tenth of it (DeepSpeed's defaults: 5e8 and 5e7).
-            # plan.py counts the same bytes (state_bytes).
+            # infra/plan.py counts the same bytes (state_bytes).
             "reduce_bucket_size": cfg["zero_bucket"], "allgather_bucket_size": cfg["zero_bucket"],
             "stage3_prefetch_bucket_size": cfg["zero_bucket"] // 10,
             # ZeRO-3 does not release a gathered weight that the forward+backward trace uses again within

@@ -8,7 +8,7 @@ A synthetic seismic volume and its MDIO store: the quickstart's data, and the te
                              inline/crossline/time, `statsV1`, `trace_mask`, coordinate arrays)
      ensure_synthetic()      the quickstart's store, written on first use
 
-reader.py reads what this writes (and what multidimio writes: tests/test_mdio.py checks both).
+infra/reader.py reads what this writes (and what multidimio writes: tests/test_mdio.py checks both).
 """
 
 import json
@@ -154,7 +154,7 @@ def write_mdio(path, vol, chunks=(64, 64, 64), first_inline=1, first_crossline=1
         lab = root.create_array("fault", shape=vol.shape, chunks=amp.chunks, dtype="uint8", fill_value=0,
                                 compressors=blosc, dimension_names=["inline", "crossline", "time"])
         lab[:] = fault.astype(np.uint8)
-        lab.attrs["description"] = "1 on the voxels within %g of a fault plane (synthetic.py)" % FAULT_HALF_WIDTH
+        lab.attrs["description"] = "1 on the voxels within %g of a fault plane (infra/synthetic.py)" % FAULT_HALF_WIDTH
     for name, n, start, step in [("inline", ni, first_inline, 1), ("crossline", nx, first_crossline, 1),
                                  ("time", nt, 0, dt_ms)]:
         c = root.create_array(name, shape=(n,), chunks=(n,), dtype="int32", dimension_names=[name])

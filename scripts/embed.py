@@ -2,11 +2,11 @@
 Encoder features of a whole survey: every token of the volume through the pretrained encoder, written as a Zarr
 v3 store on the token grid, with the survey's coordinates at the token centres.
 
-    python embed.py MODEL STORE --out=FEATURES.zarr                       one process
-    torchrun --nproc_per_node=8 embed.py MODEL STORE --out=s3://b/f.zarr --cp=2 --stride=(128,128,256)
+    python -m scripts.embed MODEL STORE --out=FEATURES.zarr                       one process
+    torchrun --nproc_per_node=8 scripts/embed.py MODEL STORE --out=s3://b/f.zarr --cp=2 --stride=(128,128,256)
 
-MODEL: a model file (export.py) or a run's out_dir (its newest checkpoint, exported once by rank 0). STORE: an
-MDIO v1/v0 store or a 3D Zarr array, local or s3:// (reader.py reads it, normalised with the store's statistics,
+MODEL: a model file (scripts/export.py) or a run's out_dir (its newest checkpoint, exported once by rank 0). STORE: an
+MDIO v1/v0 store or a 3D Zarr array, local or s3:// (infra/reader.py reads it, normalised with the store's statistics,
 dead traces -> 0, as training saw it).
 
 How. The volume is tiled into windows of the model's crop (--crop to change it), `stride` voxels apart
@@ -72,8 +72,8 @@ def pca_picture(features, path, title):
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(prog="embed.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", help="a model file (export.py) or a run's out_dir")
+    ap = argparse.ArgumentParser(prog="python -m scripts.embed", description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="a model file (scripts/export.py) or a run's out_dir")
     ap.add_argument("store", help="the survey: MDIO v1/v0 store or 3D Zarr array, local or s3://")
     ap.add_argument("--out", required=True, help="the features' Zarr v3 store (local or s3://)")
     ap.add_argument("--crop", default=None, help="window in voxels, e.g. (64,64,128) (default: the model's crop)")
@@ -138,7 +138,7 @@ def main(argv):
             coords = token_coords(vol, grid, patch, opts)
             root.attrs.update({"source": a.store, "model": os.path.basename(str(path)), "step": meta.get("step"),
                                "patch": list(patch), "crop": list(crop), "stride": list(stride), "grid": list(grid),
-                               "description": "MAE encoder features (every token visible, no cls), embed.py"})
+                               "description": "MAE encoder features (every token visible, no cls), scripts/embed.py"})
             root.create_array("features", shape=grid + (D,), chunks=(1, min(grid[1], 32), min(grid[2], 32), D),
                               dtype=a.dtype, fill_value=0, dimension_names=["inline", "crossline", "time", "feature"])
             for n in ("inline", "crossline", "time"):

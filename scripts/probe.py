@@ -1,10 +1,10 @@
 """
 Did pretraining help? A frozen encoder's features scored on a labelled task: fault segmentation of synthetic
-volumes whose faults the generator knows (synthetic.py, labels=True).
+volumes whose faults the generator knows (infra/synthetic.py, labels=True).
 
-    python probe.py MODEL [--volumes=6 --test=2 --repeats=3 --shape=(64,64,128) --n_faults=3 --steps=300 --seed=0]
+    python -m scripts.probe MODEL [--volumes=6 --test=2 --repeats=3 --shape=(64,64,128) --n_faults=3 --steps=300 --seed=0]
 
-MODEL: a model file (export.py) or a run's out_dir. For each of `volumes` synthetic volumes (`n_faults` faults of
+MODEL: a model file (scripts/export.py) or a run's out_dir. For each of `volumes` synthetic volumes (`n_faults` faults of
 random strike, dip and throw, no dead traces), every token's features come from the frozen encoder
 (features_of: windows of the model's crop at half-window strides, every token visible). A linear head per
 token, features -> the patch's voxels (P logits), is trained on the first volumes' tokens (binary cross-entropy,
@@ -88,8 +88,8 @@ def fit_and_score(xtr, ytr, xte, yte, steps, seed):
 
 
 def main(argv):
-    ap = argparse.ArgumentParser(prog="probe.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", help="a model file (export.py) or a run's out_dir")
+    ap = argparse.ArgumentParser(prog="python -m scripts.probe", description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="a model file (scripts/export.py) or a run's out_dir")
     ap.add_argument("--volumes", type=int, default=6)
     ap.add_argument("--test", type=int, default=2, help="of the volumes, the last ones scored (the rest train)")
     ap.add_argument("--shape", default="(64,64,128)", help="voxels per synthetic volume")

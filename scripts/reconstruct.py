@@ -1,13 +1,13 @@
 """
 What does the model reconstruct? Pictures of a masked crop and its reconstruction, and the loss curves.
 
-    python reconstruct.py out/quickstart                       # newest checkpoint, exported on the fly
-    python reconstruct.py out/quickstart/model_step_0000500.pt --origin=(96,40,100) --mask_ratio=0.9 --seed=3
-    python reconstruct.py MODEL --data=s3://bucket/survey.mdio --crop=(64,64,256) --out=recon.png
+    python -m scripts.reconstruct out/quickstart                       # newest checkpoint, exported on the fly
+    python -m scripts.reconstruct out/quickstart/model_step_0000500.pt --origin=(96,40,100) --mask_ratio=0.9 --seed=3
+    python -m scripts.reconstruct MODEL --data=s3://bucket/survey.mdio --crop=(64,64,256) --out=recon.png
 
 It reads a crop of a store (the run's first store by default; local or s3://), masks it (mask_ratio, seed),
 runs the model on one device (CPU, or one GPU with --device=cuda), prints the masked MSE and writes the
-four-panel figure that training writes at each evaluation (train.py -> evaluate.py -> recon_figure):
+four-panel figure that training writes at each evaluation (train.py -> infra/evaluate.py -> recon_figure):
 
     original | masked input (masked patches blank) | reconstruction | reconstruction + visible patches
 
@@ -59,7 +59,7 @@ def device_memory(device):
 
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", help="a model file (export.py) or a run's out_dir (its newest checkpoint)")
+    ap.add_argument("model", help="a model file (scripts/export.py) or a run's out_dir (its newest checkpoint)")
     ap.add_argument("--data", default="", help="store to read (default: the run's first store)")
     ap.add_argument("--origin", default="", help="crop origin (inline, crossline, time); default: drawn from --seed")
     ap.add_argument("--crop", default="", help="crop shape; default: the run's crop")
@@ -91,7 +91,7 @@ def main(argv):
         what = os.path.basename(a.model)
     if meta.get("encoder_only"):
         raise configurator.ConfigError(f"{a.model} holds the encoder only: it cannot reconstruct. Export without "
-                                       f"--encoder_only (python export.py OUT_DIR)")
+                                       f"--encoder_only (python -m scripts.export OUT_DIR)")
     cfg = dict(meta["config"])
     cfg["patch"], cfg["crop"] = tuple(cfg["patch"]), tuple(cfg["crop"])
     patch = triple(a.patch, "patch")

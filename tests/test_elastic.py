@@ -1,4 +1,4 @@
-"""Runs that grow. Elastic resume (checkpoint.py): a checkpoint continued on another world size or dp x cp layout
+"""Runs that grow. Elastic resume (infra/checkpoint.py): a checkpoint continued on another world size or dp x cp layout
 follows the run it came from exactly, for zero2, zero3 and fsdp2; a crash in the middle of the ZeRO conversion harms
 nothing; a changed global batch goes on at the next unseen sample. Warm start (train.py's init_from): a new run on
 twice the lateral crop starts from a quickstart model; a mismatched model is a clear error; the context-extension

@@ -1,7 +1,7 @@
-"""embed.py: encoder features of a whole survey. The same features on 1 rank, on 2 dp ranks and on a cp 2 group
+"""scripts/embed.py: encoder features of a whole survey. The same features on 1 rank, on 2 dp ranks and on a cp 2 group
 (ring attention), one window per forward or several, and after a stop and restart (fp32 features, to 1e-4); the windows' owned boxes tile the token
 grid exactly once; the store opens with plain zarr, with named dimensions and the survey's coordinates at the
-token centres. The model: the zero2 run of conftest.strategy_runs, given as its out_dir (embed.py exports its
+token centres. The model: the zero2 run of conftest.strategy_runs, given as its out_dir (scripts/embed.py exports its
 newest checkpoint once)."""
 import itertools
 import json
@@ -19,7 +19,7 @@ from conftest import ROOT, job_env
 
 def run_embed(args, nproc=1):
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1
-           else [sys.executable]) + [os.path.join(ROOT, "embed.py"), *args]
+           else [sys.executable]) + ["-m", "scripts.embed", *args]
     return subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -81,10 +81,10 @@ def test_every_window_owns_its_centre():
 
 
 def test_probe_scores_a_pretrained_and_a_random_encoder_side_by_side(strategy_runs):
-    """probe.py end to end on a small setting: labelled synthetic volumes, frozen features, a linear head, IoU on
+    """scripts/probe.py end to end on a small setting: labelled synthetic volumes, frozen features, a linear head, IoU on
     held-out volumes for the trained encoder and a random one of its shape, over two draws compared paired (the
     scores are reported, not thresholded: which encoder is better is a measurement, README)."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "probe.py"), str(strategy_runs["zero2"][0]), "--volumes=3",
+    r = subprocess.run([sys.executable, "-m", "scripts.probe", str(strategy_runs["zero2"][0]), "--volumes=3",
                         "--test=1", "--shape=(32,32,64)", "--steps=30", "--repeats=2"], cwd=ROOT, env=job_env(),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -99,6 +99,6 @@ def test_probe_scores_a_pretrained_and_a_random_encoder_side_by_side(strategy_ru
     assert abs(out["iou_diff_se"] - abs(d[0] - d[1]) / 2) < 2e-4  # the std of two values / sqrt 2
     assert 0.0 < out["fault_voxel_fraction"] < 0.5
     for bad, what in (("--test=6", "--test=6"), ("--repeats=0", "--repeats=0")):
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "probe.py"), str(strategy_runs["zero2"][0]), bad],
+        r = subprocess.run([sys.executable, "-m", "scripts.probe", str(strategy_runs["zero2"][0]), bad],
                            cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and what in r.stderr, r.stderr[-2000:]

@@ -1,7 +1,7 @@
-"""export.py: one model file out of a complete checkpoint of each strategy, holding the weights the run trained.
+"""scripts/export.py: one model file out of a complete checkpoint of each strategy, holding the weights the run trained.
 
 The reference is the run itself: train.py evaluates its weights on fixed held-out samples at steps 0, 3, 6 and 8
-(val_loss in log.jsonl; evaluate.py), and step_0000003 / step_0000008 hold exactly those weights. The exported
+(val_loss in log.jsonl; infra/evaluate.py), and step_0000003 / step_0000008 hold exactly those weights. The exported
 model, run through the same evaluate.run in this one process, must give the same val_loss. The seeded init
 (train.setup's) gives step 0's, which makes "the export differs from the init" a statement about the real init.
 """
@@ -224,7 +224,7 @@ def test_a_failed_write_leaves_the_existing_file_whole(runs, files, monkeypatch)
 
 def test_cli(runs, tmp_path):
     def cli(*args):
-        return subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), *args], cwd=ROOT, env=job_env(),
+        return subprocess.run([sys.executable, "-m", "scripts.export", *args], cwd=ROOT, env=job_env(),
                               capture_output=True, text=True, timeout=300)
 
     # stdout is the path alone (DeepSpeed's progress talk goes to stderr)
@@ -246,17 +246,17 @@ def test_cli(runs, tmp_path):
         assert len(lines) == 1 and all(s in lines[0] for s in says) and "Traceback" not in r.stderr, (args, r.stderr)
 
 
-# ---- reconstruct.py: a model file (or a run's out_dir) and a store -> the masked MSE and the four-panel figure
+# ---- scripts/reconstruct.py: a model file (or a run's out_dir) and a store -> the masked MSE and the four-panel figure
 
 
 def recon(*args):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "reconstruct.py"), *args], cwd=ROOT, env=job_env(),
+    r = subprocess.run([sys.executable, "-m", "scripts.reconstruct", *args], cwd=ROOT, env=job_env(),
                        capture_output=True, text=True, timeout=300)
     return r, (__import__("json").loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None)
 
 
 def test_reconstruct_reproduces_validation_sample_0(runs, files, tmp_path):
-    """On validation sample 0's crop, with the run's seed and mask ratio, reconstruct.py's masked MSE is that
+    """On validation sample 0's crop, with the run's seed and mask ratio, scripts/reconstruct.py's masked MSE is that
     sample's validation loss, computed by evaluate.run from the same file; the same from the run's out_dir
     (exported on the fly)."""
     path, obj = files["zero2"]

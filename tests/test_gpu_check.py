@@ -1,4 +1,4 @@
-"""The GPU check's one-shot runner on CPU (bench_gpu.py --cpu-smoke): every section's code path, each in its own
+"""The GPU check's one-shot runner on CPU (bench/gpu.py --cpu-smoke): every section's code path, each in its own
 process as on a GPU machine, so that nothing fails there for a reason a CPU can show. And the runner's own
 promises: a clean environment for each section, a line per section even when one runs past its limit."""
 import json
@@ -13,7 +13,7 @@ from bench import gpu
 
 def _run(out, *args, **env):
     e = job_env(**env)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "bench_gpu.py"), "--cpu-smoke", f"--out={out}", *args],
+    return subprocess.run([sys.executable, "-m", "bench.gpu", "--cpu-smoke", f"--out={out}", *args],
                           cwd=ROOT, env=e, capture_output=True, text=True, timeout=1800)
 
 
@@ -40,6 +40,6 @@ def test_a_section_past_its_limit_costs_only_itself(tmp_path):
     lines = {x["section"]: x for x in map(json.loads, open(tmp_path / "gpu_check.jsonl"))}
     assert r.returncode == 1 and json.loads(r.stdout.strip().splitlines()[-1])["status"]["memory"] == "FAIL"
     assert not lines["memory"]["ok"] and "timed out after 8 s" in lines["memory"]["error"]
-    left = subprocess.run(["pgrep", "-f", "bench_plan.py _memory_worker"], capture_output=True, text=True).stdout
+    left = subprocess.run(["pgrep", "-f", "bench.plan _memory_worker"], capture_output=True, text=True).stdout
     assert not left, f"the killed section's ranks outlived it: {left}"
     assert lines["env"]["ok"] and lines["ops"]["ok"]

