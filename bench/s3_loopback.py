@@ -9,11 +9,7 @@ import socket
 import threading
 import time
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from infra.distributed import free_port
 
 
 def dummy_credentials():

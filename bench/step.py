@@ -183,13 +183,12 @@ def _attention_worker(rank, world, port, variant, B, H, N, D, iters, out_path):
 
 
 def _run_attention(variant, ranks, B, H, N, D, iters):
-    import socket
     import tempfile
 
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+
+    from infra.distributed import free_port
+    port = free_port()
     procs = 1 if variant == "sdpa" else ranks
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r")

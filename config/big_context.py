@@ -21,8 +21,8 @@
 #           on a GPU.
 # time:     155 PFLOP per sample, ~98 % of it attention over 1.18 M tokens, which the fused kernel runs at its
 #           rates for heads of 104 and 32 (plan.ATTN_TFLOPS, measured on an H200; the decoder's heads of 32 far
-#           below 40 % of peak): attention sets the step time (the planner's step_s and attention_s_per_step). G is the largest of model.py's sizes; the planner says that larger ones
-#           would fit too, and be slower still.
+#           below 40 % of peak): attention sets the step time (the planner's step_s and attention_s_per_step).
+#           G is the largest of model.py's sizes; the planner says that larger ones would fit too, and be slower.
 # data:     samples/s x 19.3 GB / 16 nodes from S3 per node (float32, uncompressed; the planner prints it)
 out_dir = "out/big_context"
 data_paths = ["s3://your-bucket/survey.mdio"]  # MDIO stores, >= 1536 x 1536 x 2048 each

@@ -16,6 +16,7 @@ import torch
 
 import configurator
 from infra import reader
+from model import token_grid
 
 BATCH_TOKENS = 16384  # tokens per rank per forward when --batch is not given: small windows batched, big ones alone
 
@@ -64,7 +65,7 @@ def encode(model, x, offset=0):
 
 def prepare(model, crop, cp=1):
     """The encoder for windows of `crop` voxels (its positions follow the window's token grid)."""
-    w = tuple(c // p for c, p in zip(crop, model.patch))
+    w = token_grid(crop, model.patch)
     model.grid, model.L = w, math.prod(w)  # positions are sin-cos of grid coordinates: any window size works
     model.mask_strata = cp  # (nothing is masked here; set_context_parallel only asks that strata split over cp)
     return w
@@ -75,9 +76,9 @@ def features_of(model, vol, crop, stride):
     D), each token from the window in which it is most central (what scripts/embed.py writes, without a store)."""
     patch = model.patch
     w = prepare(model, crop)
-    grid = tuple(s // p for s, p in zip(vol.shape, patch))
+    grid = token_grid(vol.shape, patch)
     out = None
-    for _, org, box in plan_windows(grid, w, tuple(s // p for s, p in zip(stride, patch))):
+    for _, org, box in plan_windows(grid, w, token_grid(stride, patch)):
         v0 = tuple(o * p for o, p in zip(org, patch))
         x = torch.from_numpy(np.ascontiguousarray(vol[tuple(slice(a, a + c) for a, c in zip(v0, crop))]))[None, None]
         z = encode(model, x.float())[0]

@@ -42,6 +42,7 @@ import torch.distributed as dist
 import configurator
 from infra import cli, distributed, modelfile, reader
 from infra.features import BATCH_TOKENS, encode, plan_windows, prepare, token_coords
+from model import token_grid
 
 
 def pca_picture(features, path, title):
@@ -116,7 +117,7 @@ def main(argv):
     stride = triple(a.stride, "stride") or tuple(max(p, c // 2 // p * p) for c, p in zip(crop, patch))
     if any(c % p or s % p for c, s, p in zip(crop, stride, patch)):
         raise configurator.ConfigError(f"--crop {crop} and --stride {stride} must be multiples of the patch {patch}")
-    w = tuple(c // p for c, p in zip(crop, patch))  # window in tokens
+    w = token_grid(crop, patch)  # window in tokens
     if w[0] % cp:
         raise configurator.ConfigError(f"the window's {w[0]} inline tokens do not split over --cp={cp}")
     prepare(model, crop, cp)
@@ -125,8 +126,8 @@ def main(argv):
     # ---- the survey and the plan
     opts = reader.ReadOptions(anon=a.s3_anon, endpoint_url=a.s3_endpoint or None)
     vol = reader.Volume(a.store, opts)
-    grid = tuple(s // p for s, p in zip(vol.shape, patch))
-    wins = plan_windows(grid, w, tuple(s // p for s, p in zip(stride, patch)))
+    grid = token_grid(vol.shape, patch)
+    wins = plan_windows(grid, w, token_grid(stride, patch))
     D = model.dim
     so = reader.storage_options(a.out, opts) if "://" in a.out else None
     import zarr

@@ -37,7 +37,7 @@ import model as M
 from infra import cli, library, modelfile, reader
 from infra.evaluate import centre_parts, figure_title, join_parts, recon_figure, voxel_views
 from infra.plan import activation_bytes
-from model import build_model
+from model import build_model, token_grid
 
 
 def memory_needed(model_cfg):
@@ -107,7 +107,7 @@ def main(argv):
         raise configurator.ConfigError(f"mask_ratio must be in (0, 1), got {mask_ratio}")
     # one process: the run's mask strata are kept (cp = 1 draws the same masks as any cp, see model.py)
     strata = cfg.get("mask_strata") or cfg.get("cp", 1)
-    grid = tuple(c // p for c, p in zip(crop, cfg["patch"]))
+    grid = token_grid(crop, cfg["patch"])
     if math.prod(grid) % strata:
         strata = 1
     mcfg = {**cfg, "crop": crop, "mask_ratio": mask_ratio, "cp": 1, "mask_strata": strata}

@@ -16,10 +16,11 @@ that need it skip and say why; under CI (CI=true) they fail instead, because the
 """
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
+
+from infra.distributed import free_port
 
 PACKAGES = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client", "munged": "munge",
             "sshd": "openssh-server", "ssh": "openssh-client"}
@@ -42,12 +43,6 @@ def ensure_installed(commands):
     return None
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sbin(name):
     return shutil.which(name) or f"/usr/sbin/{name}"
 
@@ -60,7 +55,7 @@ class Cluster:
         self.dir = os.path.abspath(root_dir)
         self.cpus, self.gpus = cpus, gpus
         # slurmctld's port and one per slurmd; free ports (the issue's 17001/17002 when they are free)
-        self.ports = ports or [_free_port(), _free_port(), _free_port()]
+        self.ports = ports or [free_port(), free_port(), free_port()]
         self.procs = []
         self.conf = os.path.join(self.dir, "slurm.conf")
 
@@ -205,7 +200,7 @@ class Sshd:
     """An OpenSSH server on `addr`:port that lets root in with a key of its own (nothing in ~/.ssh is touched)."""
 
     def __init__(self, root_dir, addr="127.0.0.2"):
-        self.dir, self.addr, self.port = os.path.abspath(root_dir), addr, _free_port()
+        self.dir, self.addr, self.port = os.path.abspath(root_dir), addr, free_port()
         self.proc = None
         self.log = os.path.join(self.dir, "sshd.log")
         key = os.path.join(self.dir, "id_ed25519")

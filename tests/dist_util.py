@@ -1,16 +1,11 @@
 """Run a function on W real gloo processes (torch.multiprocessing spawn) and re-raise any failure."""
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from infra.distributed import free_port
 
 
 def _worker(rank, world, port, fn, args):
@@ -27,7 +22,7 @@ def _worker(rank, world, port, fn, args):
 
 def run_ranks(world, fn, *args, timeout=600):
     """fn(rank, world, *args) on `world` processes; fn must be importable (module level)."""
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), fn, args), nprocs=world, join=False,
+    ctx = mp.start_processes(_worker, args=(world, free_port(), fn, args), nprocs=world, join=False,
                              start_method="spawn")
     while not ctx.join(timeout=timeout):
         pass

@@ -2,7 +2,6 @@
 process as on a GPU machine, so that nothing fails there for a reason a CPU can show. And the runner's own
 promises: a clean environment for each section, a line per section even when one runs past its limit."""
 import json
-import os
 import subprocess
 import sys
 

@@ -116,8 +116,7 @@ if masters_to:
     def setup(cfg):
         job = real_setup_m(cfg)
         torch.manual_seed(cfg["seed"])  # setup's init, again
-        init = dict(model.MODELS[cfg["model_size"]](grid=job.grid, patch=cfg["patch"], mask_ratio=cfg["mask_ratio"],
-                                                    mask_strata=cfg["mask_strata"] or job.cp).named_parameters())
+        init = dict(model.build_model(cfg).named_parameters())
         differ = [n for n, p in job.engine.module.named_parameters()  # (a collective under ZeRO-3: every rank)
                   if not torch.equal(safe_get_full_fp32_param(p).cpu(), init[n].detach())]
         if job.rank == 0:
