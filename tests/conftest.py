@@ -20,6 +20,11 @@ if not os.environ.get("PATH", "").startswith(_VENV_BIN + os.pathsep):
     os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a launcher, cluster or many-run test (left out of the editing loop's "
+                                       "`pytest -m 'not slow'`; tests/README.md)")
+
+
 def job_env(**extra):
     # nothing of a SLURM job or a launcher setting that the tests happen to run under may leak into them
     env = {k: v for k, v in os.environ.items()

@@ -2,7 +2,7 @@
 reaches the model already in bf16 (converted off the training thread), and no strategy strays from the fp32 run
 much further than another (gradients accumulate in fp32 under ZeRO-2/3 as under FSDP2).
 
-The runs are bench/step.py's `bf16` bench (bench.dtype_runs): quickstart steps in fp32, then in bf16 under zero2,
+The runs are bench/step.py's `bf16` bench (bench/step.py's dtype_runs): quickstart steps in fp32, then in bf16 under zero2,
 zero3 and fsdp2, through tests/train_hooks.py, which records what reached the model.
 """
 import json

@@ -139,6 +139,26 @@ def test_bad_patterns_and_manifests_are_clear_errors(lib, tmp_path):
         data.Sampler(library.index([str(lib / "*.mdio")]), (16, 16, 32), weighting="manifest")
 
 
+def test_the_index_command(lib, tmp_path):
+    """`python -m scripts.library index`: the manifest index() writes, its path as the last line; a pattern that
+    matches nothing is one `error:` line and exit code 2, no traceback, no manifest."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, job_env
+    out = tmp_path / "cli.jsonl"
+    r = subprocess.run([sys.executable, "-m", "scripts.library", "index", str(lib / "*.mdio"), f"--out={out}",
+                        "--split=train"], cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == str(out)
+    want = [{**rec, "split": "train"} for rec in library.index([str(lib / "*.mdio")])]
+    assert [json.loads(x) for x in out.read_text().splitlines()] == want
+    r = subprocess.run([sys.executable, "-m", "scripts.library", "index", str(lib / "*.zarr"), f"--out={out}.none"],
+                       cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: ") and "matches nothing" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "cli.jsonl.none").exists()
+
+
 def test_a_run_from_a_manifest_with_a_held_out_store(lib, tmp_path):
     """train.py with data_paths=[@manifest]: c.mdio marked split "val" is the validation set (whole store), a and b
     are trained on; the same run through the explicit lists (data_paths a, b; val_paths c) gives the same losses.

@@ -1,7 +1,7 @@
 """The planner (infra/plan.py; `python -m bench plan` is it with these checks) against measurements on this machine: its FLOPs,
 activation bytes and the ring's backward memory on small models, and its weight/gradient/optimizer memory per
 strategy against what DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 really allocate on 2 CPU ranks (every CPU tensor
-allocation counted, see bench_plan._memory_worker). Its step time: attention priced at the kernels' rates. And the
+allocation counted, see bench/plan.py's _memory_worker). Its step time: attention priced at the kernels' rates. And the
 import graph that keeps the planner out of a circle."""
 import math
 

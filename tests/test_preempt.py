@@ -1,4 +1,4 @@
-"""Stop signals (stop.StopRequest, launch.sh): SIGTERM or SIGUSR1 mid-run becomes a complete checkpoint at
+"""Stop signals (infra/stop.py's StopRequest, launch.sh): SIGTERM or SIGUSR1 mid-run becomes a complete checkpoint at
 the step where the run stopped and exit code 75; the relaunch continues on the uninterrupted run's trajectory.
 And when ranks fail, launch.sh's last line is the first rank's `error:` line."""
 import os

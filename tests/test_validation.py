@@ -1,4 +1,4 @@
-"""Held-out validation (infra/evaluate.py) and its pictures (infra/evaluate.py): the held-out inlines are never trained on,
+"""Held-out validation and its pictures (infra/evaluate.py): the held-out inlines are never trained on,
 the validation loss is a function of the weights alone (not of cp, the strategy or a resume: those equalities are
 in test_cp_train, test_strategies and test_train), eval_only repeats the logged value, and the figure shows
 what it says it shows."""
