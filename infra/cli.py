@@ -3,6 +3,8 @@ How every command ends: the project's own errors as one `error:` line and an exi
 
     sys.exit(cli.run(main, sys.argv[1:]))
 
+A command's (inline, crossline, time) options are read by triple().
+
 Exit codes: 0 done; 2 bad input (configurator.ConfigError, reader.DataError, a ring that disagrees with
 PyTorch's: ring_attention.CPMismatchError); 3 a diverged run (FloatingPointError); train.py's stopped-at-a-
 checkpoint code (stop.RESUMABLE, 75) passes through. Under torchrun only rank 0 prints the line (every rank
@@ -20,6 +22,21 @@ from infra.reader import DataError
 from ring_attention import CPMismatchError
 
 BAD_INPUT = (ConfigError, DataError, CPMismatchError)
+
+
+def triple(text, what, least=1):
+    """A command line's (inline, crossline, time) triple: "64,64,128", "(64,64,128)" or "[64, 64, 128]" -> a tuple of
+    3 ints >= least (1: positive, 0: non-negative); "" -> None (the caller's default). Anything else is a ConfigError naming the option."""
+    if not text:
+        return None
+    try:
+        v = tuple(int(x) for x in text.strip("()[] ").split(","))
+    except ValueError:
+        v = ()
+    if len(v) != 3 or min(v) < least:
+        raise ConfigError(f"--{what}={text!r}: give 3 {'positive' if least else 'non-negative'} integers (inline, "
+                          f"crossline, time), e.g. --{what}=64,64,128")
+    return v
 
 
 def note_error(line):

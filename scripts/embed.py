@@ -91,14 +91,6 @@ def parse(argv):
     return ap.parse_args(argv)
 
 
-def triple(text, what):
-    import ast
-    v = tuple(ast.literal_eval(text)) if text else None
-    if v is not None and (len(v) != 3 or not all(isinstance(x, int) and x > 0 for x in v)):
-        raise configurator.ConfigError(f"--{what} must be three positive integers like (64,64,128), got {text!r}")
-    return v
-
-
 def main(argv):
     a = parse(argv)
     rank, world, device = distributed.init()  # torchrun's ranks, or a world of 1
@@ -113,8 +105,8 @@ def main(argv):
     model, meta = modelfile.load(path, map_location="cpu")
     cfg = meta["config"]
     patch = tuple(cfg["patch"])
-    crop = triple(a.crop, "crop") or tuple(cfg["crop"])
-    stride = triple(a.stride, "stride") or tuple(max(p, c // 2 // p * p) for c, p in zip(crop, patch))
+    crop = cli.triple(a.crop, "crop") or tuple(cfg["crop"])
+    stride = cli.triple(a.stride, "stride") or tuple(max(p, c // 2 // p * p) for c, p in zip(crop, patch))
     if any(c % p or s % p for c, s, p in zip(crop, stride, patch)):
         raise configurator.ConfigError(f"--crop {crop} and --stride {stride} must be multiples of the patch {patch}")
     w = token_grid(crop, patch)  # window in tokens

@@ -24,7 +24,6 @@ what a fine-tuned network could learn. A head that calls every voxel a fault sco
 (printed): the floor to read the scores against.
 """
 import argparse
-import ast
 import json
 import os
 import sys
@@ -98,7 +97,7 @@ def main(argv):
     ap.add_argument("--repeats", type=int, default=3, help="draws of volumes and random encoder, compared paired")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    shape = tuple(ast.literal_eval(a.shape))
+    shape = cli.triple(a.shape, "shape")
     if not 1 <= a.test < a.volumes:
         raise configurator.ConfigError(f"--test={a.test} must leave training volumes out of --volumes={a.volumes}")
     if a.repeats < 1:

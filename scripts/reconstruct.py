@@ -72,16 +72,6 @@ def main(argv):
     ap.add_argument("--s3_anon", action="store_true")
     ap.add_argument("--s3_endpoint", default="")
     a = ap.parse_args(argv)
-    def triple(s, what):
-        try:
-            v = tuple(int(x) for x in s.strip("()[] ").split(",")) if s else None
-        except ValueError:
-            v = ()
-        if v is not None and (len(v) != 3 or (what != "origin" and min(v) < 1)):
-            raise configurator.ConfigError(f"--{what}={s!r}: give 3 {'non-negative' if what == 'origin' else 'positive'} "
-                                           f"integers (inline, crossline, time), e.g. --{what}=16,16,64")
-        return v
-
     # ---- the model: a file, or a run's checkpoint exported in memory
     if os.path.isdir(a.model):
         sd, meta = modelfile.state_dict_from_checkpoint(a.model, a.tag)
@@ -94,12 +84,12 @@ def main(argv):
                                        f"--encoder_only (python -m scripts.export OUT_DIR)")
     cfg = dict(meta["config"])
     cfg["patch"], cfg["crop"] = tuple(cfg["patch"]), tuple(cfg["crop"])
-    patch = triple(a.patch, "patch")
+    patch = cli.triple(a.patch, "patch")
     if patch and patch != cfg["patch"]:
         raise configurator.ConfigError(f"the model was trained with patch {cfg['patch']} and --patch is {patch}: a "
                                        f"model's patch size cannot change (its patch embedding is "
                                        f"{math.prod(cfg['patch'])} voxels wide); drop --patch")
-    crop = triple(a.crop, "crop") or cfg["crop"]
+    crop = cli.triple(a.crop, "crop") or cfg["crop"]
     if len(crop) != 3 or any(c % p for c, p in zip(crop, cfg["patch"])):
         raise configurator.ConfigError(f"crop {crop} must be 3 multiples of the model's patch {cfg['patch']}")
     mask_ratio = cfg["mask_ratio"] if a.mask_ratio is None else a.mask_ratio
@@ -132,7 +122,7 @@ def main(argv):
     first = library.expand(cfg["data_paths"][:1], opts)[0] if not a.data else None  # (a glob or a @manifest too)
     store = a.data or (first["url"] if isinstance(first, dict) else first)
     vol = reader.Volume(store, opts)
-    origin = triple(a.origin, "origin")
+    origin = cli.triple(a.origin, "origin", least=0)
     if origin is None:  # drawn: in the held-out inlines of a training store, if the run held some out
         same = lambda u: u if "://" in u else os.path.abspath(u)  # noqa: E731  (relative vs absolute paths)
         held_out = (same(store) in map(same, cfg["data_paths"]) and not cfg.get("val_paths")
