@@ -83,7 +83,8 @@ def sec_env(smoke, dev, out_dir):
            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if dev.type == "cuda" else None,
            "TORCH_NCCL_HIGH_PRIORITY": os.environ.get("TORCH_NCCL_HIGH_PRIORITY")}
     missing = []
-    for mod in ("deepspeed", "zarr", "numcodecs", "matplotlib", "train", "embed", "export", "probe"):
+    for mod in ("deepspeed", "zarr", "numcodecs", "matplotlib", "train", "scripts.embed", "scripts.export",
+                "scripts.probe"):
         try:
             m = importlib.import_module(mod)
             res[f"{mod}_version"] = getattr(m, "__version__", "")

@@ -11,7 +11,7 @@
 #           sets the step time: run `python -m scripts.plan config/base_102k.py`
 # sample:   640 x 640 x 1024 x 4 B = 1.56 GiB of float32 read per sample (200 chunks of 128^3 when aligned)
 out_dir = "out/base_102k"
-data_paths = ["data/survey.mdio"]  # point at your MDIO v1 stores (local paths here; s3:// in a later issue)
+data_paths = ["data/survey.mdio"]  # point at your MDIO v1 stores (local paths or s3:// URLs)
 crop = (640, 640, 1024)
 patch = (16, 16, 16)
 model_size = "large"  # decoder heads of 32, which an H200 runs at about half of 64's rate (plan.ATTN_TFLOPS);

@@ -10,16 +10,16 @@
 #           stage 1 never saw: the sin-cos of a larger coordinate is well defined, and stage 2 trains on them).
 # cluster:  16 nodes x 8 GPUs = 128 ranks, dp 128, no context parallelism (102,400 tokens fit one H200)
 # batch:    1 sample per GPU: global batch 128; lr = 1.5e-4 x 128 / 256 = 7.5e-5
-# planner: 1.41 PFLOP per sample; memory per GPU and samples/s with and without checkpointing: run `python
-#           infra/plan.py config/context_102k.py`. The least checkpointing that fits with a 15 % margin on the
+# planner: FLOPs per sample, memory per GPU and samples/s with and without checkpointing: run `python -m
+#           scripts.plan config/context_102k.py`. The least checkpointing that fits with a 15 % margin on the
 #           activations is 0 blocks (not yet measured on a GPU: ckpt_blocks is the fallback)
 # schedule: 20,000 steps x 128 = 2.56 M samples, in max_steps x the planner's step_s; a checkpoint every 500 steps
 out_dir = "out/context_102k"
 data_paths = ["s3://your-bucket/survey.mdio"]  # MDIO stores, >= 640 x 640 x 1024 each
 crop = (640, 640, 1024)
 patch = (16, 16, 16)
-model_size = "G"  # as stage 2 (its shape trade-off: config/big_context.py; "G_h128" against "G" here: python
-#                   infra/plan.py config/context_102k.py --model_size=G_h128)
+model_size = "G"  # as stage 2 (its shape trade-off: config/big_context.py; "G_h128" against "G" here: python -m
+#                   scripts.plan config/context_102k.py --model_size=G_h128)
 mask_ratio = 0.75
 norm_pix_loss = True
 grad_ckpt = False  # the planner: fits without (above)

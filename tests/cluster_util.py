@@ -1,5 +1,5 @@
 """The real things launch.sh meets on a cluster, on this machine: a two-node SLURM and an sshd on loopback. For the
-launch tests, and by hand: `python tests/cluster_util.py DIR` starts the SLURM and prints how to use it.
+launch tests, and by hand: `python -m tests.cluster_util DIR` (from the root) starts the SLURM and prints how to use it.
 
 Debian's slurm-wlm 22.05 (slurmctld, slurmd, the client commands) with munge for authentication. Both nodes,
 n1 and n2, are 127.0.0.1: two slurmd processes (`slurmd -N n1`, `slurmd -N n2`) on distinct ports, with `%n`
@@ -54,7 +54,7 @@ class Cluster:
     def __init__(self, root_dir, cpus=2, gpus=0, ports=None):
         self.dir = os.path.abspath(root_dir)
         self.cpus, self.gpus = cpus, gpus
-        # slurmctld's port and one per slurmd; free ports (the issue's 17001/17002 when they are free)
+        # slurmctld's port and one per slurmd: free ports, so that a SLURM already on this machine is left alone
         self.ports = ports or [free_port(), free_port(), free_port()]
         self.procs = []
         self.conf = os.path.join(self.dir, "slurm.conf")

@@ -13,6 +13,8 @@ import pytest
 from bench import step as bench_step
 from conftest import job_env, run_train, small_args
 
+pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
+
 STEPS = 40
 BF16 = ("zero2", "zero3", "fsdp2")
 

@@ -18,6 +18,8 @@ from infra import checkpoint
 import cluster_util
 from conftest import ROOT, job_env, read_log, small_args
 
+pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
+
 STEPS = 6
 VENV_BIN = os.path.dirname(sys.executable)  # the README's venv under CI: launch.sh must find it on PATH alone
 

@@ -6,6 +6,8 @@ import pytest
 
 from conftest import STRATEGY_ARGS, job_env, read_log, read_val, run_train, small_args
 
+pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
+
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):

@@ -31,7 +31,8 @@ def test_ten_steps_cp2_match_cp1(small_store, tmp_path):
     _same([v for _, v in v1], [v for _, v in v2])
 
 
-@pytest.mark.parametrize("cp,extra", [(2, {}), (3, {"crop": (24, 16, 32), "val_frac": 0.5})])
+@pytest.mark.parametrize("cp,extra", [(2, {}), pytest.param(3, {"crop": (24, 16, 32), "val_frac": 0.5},
+                                                                marks=pytest.mark.slow)])
 def test_torch_cp_trains_like_one_rank_and_the_ring(small_store, tmp_path, cp, extra):
     # cp_impl='torch' (PyTorch's own ring functions, forward and backward) follows the one-rank run and our ring
     args = dict(max_steps=6, eval_interval=5, **extra)

@@ -17,6 +17,8 @@ from infra import modelfile
 from conftest import STRATEGY_ARGS, job_env, read_log, read_val, run_train, small_args
 from test_launch import launch
 
+pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
+
 
 def copy_checkpoint(src_out, tag, out_dir):
     shutil.copytree(os.path.join(src_out, "ckpt", tag), os.path.join(out_dir, "ckpt", tag))

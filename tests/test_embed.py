@@ -16,6 +16,8 @@ import zarr
 from infra import features
 from conftest import ROOT, job_env
 
+pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
+
 
 def run_embed(args, nproc=1):
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1

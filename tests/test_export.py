@@ -20,6 +20,8 @@ from infra import modelfile
 import model as M
 from conftest import ROOT, job_env, read_val, run_train, small_args
 
+pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
+
 STRATEGIES = ("zero2", "zero3", "fsdp2")
 
 

@@ -5,9 +5,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, job_env
 
 from bench import gpu
+
+pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
 
 
 def _run(out, *args, **env):

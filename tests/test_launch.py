@@ -5,8 +5,12 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from infra import checkpoint
 from conftest import ROOT, job_env, run_train, small_args
+
+pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
 
 
 def launch(args, timeout=600, **env):

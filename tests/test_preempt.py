@@ -14,6 +14,8 @@ from infra import checkpoint
 from infra import stop
 from conftest import ROOT, job_env, read_log, read_val, run_train, small_args
 
+pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
+
 # 60 steps of 2 micro steps; no checkpoint but the end's unless a stop asks for one; validation every 10 steps
 ARGS = dict(max_steps=60, grad_accum=2, ckpt_interval=1000, eval_interval=10)
 

@@ -1,8 +1,12 @@
 """The main job, as a user runs it: bash launch.sh config/quickstart.py (2 CPU ranks; conftest.quickstart)."""
 import os
 
+import pytest
+
 from conftest import launch_quickstart, read_log, read_val
 from infra import checkpoint
+
+pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
 
 
 def test_quickstart_learns_evaluates_and_checkpoints(quickstart):

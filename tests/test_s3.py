@@ -163,6 +163,7 @@ def test_aligned_crops_and_live_fraction(small_store):
         data.Sampler([small_store], (48, 32, 32), min_live=1.0).locate(0)
 
 
+@pytest.mark.slow
 def test_training_through_faulty_s3_equals_fault_free(s3, small_store, tmp_path):
     """20 steps reading from S3 through a proxy that fails 10 % of requests complete, and every sample is
     the fault-free run's, bit for bit (Sampler level), so the losses are identical too (validation only at the
@@ -205,6 +206,7 @@ def test_anonymous_access_public_vs_private(s3, small_store):
         reader.Volume(s3.url, anon)
 
 
+@pytest.mark.slow
 def test_embed_reads_a_survey_from_s3_and_writes_its_features_there(s3, small_store, strategy_runs, tmp_path):
     """scripts/embed.py with s3:// in and out (2 dp ranks, stopped after 3 windows each and restarted: the markers are S3
     objects, listed once) gives the features of a local run, and the store opens with plain zarr over S3."""

@@ -5,6 +5,8 @@ import pytest
 from infra import checkpoint
 from conftest import STRATEGY_ARGS, read_log, read_val, run_train, small_args
 
+pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
+
 
 @pytest.fixture(scope="module")
 def zero2_reference(small_store, tmp_path_factory):
