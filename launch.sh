@@ -24,7 +24,7 @@
 # DRY_RUN=1: print the environment and the exact command every node would run, for the config's node count,
 # then run train.py's validation and the memory planner only (no GPU, no data, no training).
 #
-# Stopping (train.py's checkpoint.StopRequest): SIGTERM or SIGUSR1 to this script (or, under SLURM, to the job)
+# Stopping (infra/stop.py's StopRequest): SIGTERM or SIGUSR1 to this script (or, under SLURM, to the job)
 # makes the ranks write a checkpoint at the next step boundary and exit; this script then ends with the line of
 # out_dir/STOPPED and exit code 75 ("stopped, resumable": run the same command again to continue). Under SLURM
 # the step asks for SIGUSR1 stop_lead_s before the time limit (srun --signal; the dry run prints the planner's

@@ -317,7 +317,7 @@ def load(path_or_obj, map_location="cpu"):
                                        f"patch {tuple(cfg['patch'])}): {' '.join(str(e).split())[:500]}") from None
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:  # a buffer model.py gained that the file cannot have: build_model must make it (not on meta)
-        raise configurator.ConfigError(f"{name}: {left[:5]} are not in the file and were not built: update export.load")
+        raise configurator.ConfigError(f"{name}: {left[:5]} are not in the file and were not built: update modelfile.load")
     model.encoder_only = encoder_only
     return model.eval(), meta
 

@@ -351,7 +351,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     per_step = cfg["micro_batch"] * cfg["grad_accum"] / cp
     t = sample_seconds(m, k_cfg, g, mfu)
     step_s = per_step * t["time"]
-    # what a stop signal costs (checkpoint.StopRequest), so that SLURM's warning before the time limit (launch.sh's
+    # what a stop signal costs (stop.StopRequest), so that SLURM's warning before the time limit (launch.sh's
     # srun --signal=USR1@lead) leaves time for it: the step in progress and, on a GPU, one more (the stop flag is
     # read a step late), an evaluation that may be running (forwards only, priced as the step is: ceil(eval_samples
     # / dp) samples per cp group), and the checkpoint write: fp32 master weights and AdamW's m and v (12 bytes per
