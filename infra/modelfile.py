@@ -337,8 +337,8 @@ def init_source(path):
             raise configurator.ConfigError(f"init_from={path!r}: {e}") from None
         return meta["config"], f"{ckpt_dir}/{tag} (step {meta['step']})"
     if not os.path.exists(path):
-        raise configurator.ConfigError(f"init_from={path!r}: no such file or directory; give a model file (python "
-                                       f"scripts/export.py OUT_DIR writes one) or a run's out_dir")
+        raise configurator.ConfigError(f"init_from={path!r}: no such file or directory; give a model file (python -m "
+                                       f"scripts.export OUT_DIR writes one) or a run's out_dir")
     _, meta = read_model_file(path, mmap=True)
     return meta["config"], f"{path} (step {meta['step']}{', encoder only' if meta.get('encoder_only') else ''})"
 
