@@ -49,6 +49,12 @@ norm_pix_loss = False  # normalise each target patch by its own mean / std
 compile = False  # torch.compile each block (the ring stays one opaque op); off until measured on a GPU
 grad_ckpt = False  # activation checkpointing: keep a block's input only, recompute the block in backward
 ckpt_blocks = -1  # with grad_ckpt: how many blocks (-1 every one; model.ckpt_order which; infra/plan.py: the least)
+# fine-tuning: the encoder (every token visible) and the decoder's blocks as a head that classifies every voxel
+task = "mae"  # mae (pretraining) | segment (fine-tuning on label_var; start from init_from, or from scratch)
+label_var = "fault"  # segment: the stores' integer class variable beside the amplitude (MDIO v1), on its grid
+classes = 2  # segment: label values 0 .. classes - 1; 2 is binary (one logit per voxel, weighted BCE)
+pos_weight = 10.0  # segment, binary: the loss weight of class-1 voxels (faults are a few % of the voxels)
+layer_decay = 1.0  # segment: encoder block k's lr x layer_decay^(depth - k), the embedding's ^(depth + 1) (MAE: 0.75)
 # context parallelism: each sample's tokens split over cp ranks (contiguous inline slabs)
 cp = 1  # ranks per sample; world size must be a multiple; at most one node (8) in practice
 cp_impl = "ring"  # ring (ring_attention.py) | torch (PyTorch's own ring functions, checked against ours at start)
@@ -67,7 +73,7 @@ dtype = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
 strategy = "zero2"  # zero2 (DeepSpeed ZeRO-2) | zero3 (DeepSpeed ZeRO-3) | fsdp2 (PyTorch fully_shard)
 zero_bucket = int(5e8)  # DeepSpeed's gradient bucket, in elements (its default): GPU memory vs. fewer collectives
 zero3_max_live = int(1e9)  # ZeRO-3: weights reused within this many elements stay gathered; caps prefetch too
-# validation (infra/evaluate.py) and figures (scripts/reconstruct.py)
+# validation (infra/evaluate.py; segment: the loss and IoU / Dice per class) and figures
 val_paths = []  # held-out stores (as data_paths; also manifest lines with split "val"); none: the last val_frac
 val_frac = 0.1  # inline fraction of each training volume held out (when val_paths is empty); 0 = no validation
 eval_interval = 100  # steps between evaluations (also one before the first step and one after the last)

@@ -95,11 +95,16 @@ class Sampler:
                     200 chunks aligned, up to 324 not); where it is smaller, the crop lies inside one chunk
                     (one request per chunk-sized neighbourhood instead of up to 2 per axis)
       min_live      skip crops whose live-trace fraction (trace_mask under the crop) is below this
-      opts          ReadOptions: requests in flight, retries, timeouts, S3 access"""
+      opts          ReadOptions: requests in flight, retries, timeouts, S3 access
+      label_var     fine-tuning: every store's class variable of that name (Volume.variable) is read at the same
+                    crops, and a batch is (B, 2, ...): channel 0 the amplitude, channel 1 the labels (one tensor
+                    through the prefetcher, the pinned copy and the copy to the device). Each store's variable is
+                    checked (present, same grid, integer) when the sampler is made; classes: labels must lie in
+                    [0, classes), checked at every read."""
 
     def __init__(self, stores, crop, seed=0, micro_batch=1, dp_rank=0, dp_size=1, grad_accum=1, cp_rank=0,
                  cp_size=1, align=False, min_live=0.0, opts=None, part=None, stream="train", weighting="uniform",
-                 max_open=64):
+                 max_open=64, label_var=None, classes=2):
         import threading
         from collections import OrderedDict
         from concurrent.futures import ThreadPoolExecutor
@@ -145,6 +150,10 @@ class Sampler:
         # the samples of a micro batch are located side by side (locating may open a store: metadata requests), then
         # read together (read_crops); the chunk requests of all of them share opts.in_flight places (RequestStore)
         self.sample_pool = ThreadPoolExecutor(max_workers=micro_batch, thread_name_prefix="sample")
+        self.label_var, self.classes = label_var, classes
+        if label_var:  # a store without usable labels fails now, before any work
+            for v in range(len(self.records)):
+                self.volume(v).variable(label_var)
 
     def global_index(self, step, micro, i):
         """Sample number in the whole run's stream: steps, then micro steps, then dp ranks, then batch rows. Step s
@@ -215,10 +224,20 @@ class Sampler:
     def read(self, ids):
         """(len(ids), 1, crop[0] / cp, crop[1], crop[2]) float32 tensor: this rank's slabs of samples `ids`. Their
         stores are located (and opened if need be) side by side in threads, then the slabs are read together."""
-        xs = read_crops([(vol, o, self.slab) for vol, o in self.sample_pool.map(self.where, ids)])
+        located = list(self.sample_pool.map(self.where, ids))
+        xs = read_crops([(vol, o, self.slab) for vol, o in located])
         with self._lock:
             self.bytes += sum(x.nbytes for x in xs)
-        return torch.from_numpy(np.stack(xs)[:, None])
+        if not self.label_var:
+            return torch.from_numpy(np.stack(xs)[:, None])
+        ys = read_crops([(vol.variable(self.label_var), o, self.slab) for vol, o in located], normalize=False)
+        for y, (vol, o) in zip(ys, located):
+            lo, hi = int(y.min()), int(y.max())
+            if lo < 0 or hi >= self.classes:
+                raise DataError(f"{vol.url!r}: label variable {self.label_var!r} holds class {lo if lo < 0 else hi} in "
+                                f"the crop at {o}, outside [0, classes={self.classes}): set classes to the number of "
+                                f"classes the labels use")
+        return torch.from_numpy(np.stack([np.stack(xs), np.stack(ys)], axis=1))  # (B, 2, Z / cp, Y, X)
 
     def batch(self, step, micro=0):
         """(micro_batch, 1, crop[0] / cp, crop[1], crop[2]) float32 tensor, and the global sample indices."""
@@ -314,7 +333,8 @@ def samplers(cfg, cp_rank, dp_rank, dp_size, log):
     held_out = not val_stores and cfg["val_frac"] > 0
     sampling = dict(crop=cfg["crop"], seed=cfg["seed"], micro_batch=cfg["micro_batch"], cp_rank=cp_rank,
                     cp_size=cfg["cp"], align=cfg["align_crops"], min_live=cfg["min_live"], opts=opts,
-                    weighting=cfg["sample_weighting"], max_open=cfg["max_open_stores"])
+                    weighting=cfg["sample_weighting"], max_open=cfg["max_open_stores"],
+                    label_var=cfg["label_var"] if cfg["task"] == "segment" else None, classes=cfg["classes"])
     train = Sampler(stores, dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"],
                     part=("train", cfg["val_frac"]) if held_out else None, **sampling)
     # what the training stream depends on besides the seed: which stores, in which order, drawn how (a glob

@@ -225,7 +225,7 @@ class Block(nn.Module):
 class MAE(nn.Module):
     def __init__(self, grid=(4, 4, 4), patch=(16, 16, 16), dim=1024, depth=24, heads=16,
                  dec_dim=512, dec_depth=8, dec_heads=16, mlp_ratio=4.0, mask_ratio=0.75,
-                 norm_pix_loss=False, grad_ckpt=False, mask_strata=1):
+                 norm_pix_loss=False, grad_ckpt=False, mask_strata=1, seg_classes=0, seg_pos_weight=1.0):
         super().__init__()
         self.grid, self.patch = tuple(grid), tuple(patch)
         self.L = math.prod(self.grid)  # tokens per sample
@@ -242,12 +242,20 @@ class MAE(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.blocks = nn.ModuleList([Block(dim, heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim, eps=1e-6)
-        # decoder: narrower and shallower; its own fixed positions; predicts the voxels of each patch
+        # decoder: narrower and shallower; its own fixed positions; predicts the voxels of each patch. For fine-tuning
+        # (seg_classes > 0) the same blocks are the segmentation head, on every token, and seg_pred replaces
+        # decoder_pred and the mask token: each patch's voxels' class logits (one logit per voxel when binary)
         self.decoder_embed = nn.Linear(dim, dec_dim)
-        self.mask_token = nn.Parameter(torch.zeros(1, 1, dec_dim))
+        self.seg_classes, self.seg_out = seg_classes, (1 if seg_classes == 2 else seg_classes)
+        self.seg_pos_weight = seg_pos_weight  # binary: the loss weight of class-1 voxels (seg_loss)
+        if not seg_classes:
+            self.mask_token = nn.Parameter(torch.zeros(1, 1, dec_dim))
         self.decoder_blocks = nn.ModuleList([Block(dec_dim, dec_heads, mlp_ratio) for _ in range(dec_depth)])
         self.decoder_norm = nn.LayerNorm(dec_dim, eps=1e-6)
-        self.decoder_pred = nn.Linear(dec_dim, self.P)
+        if seg_classes:
+            self.seg_pred = nn.Linear(dec_dim, self.P * self.seg_out)
+        else:
+            self.decoder_pred = nn.Linear(dec_dim, self.P)
         self.initialize_weights()
         self.set_grad_ckpt(grad_ckpt)
 
@@ -291,7 +299,8 @@ class MAE(nn.Module):
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         nn.init.zeros_(self.patch_embed.bias)
         nn.init.normal_(self.cls_token, std=0.02)
-        nn.init.normal_(self.mask_token, std=0.02)
+        if not self.seg_classes:
+            nn.init.normal_(self.mask_token, std=0.02)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.xavier_uniform_(m.weight)
@@ -302,7 +311,10 @@ class MAE(nn.Module):
 
     def n_keep(self):
         """Visible tokens per sample: MAE's int(L * (1 - mask_ratio)), adjusted so that visible + cls
-        divides by mask_strata (see encoder_tokens_per_stratum)."""
+        divides by mask_strata (see encoder_tokens_per_stratum). A segmenter sees every token and has no cls token:
+        its encoder holds L tokens, n_keep() + 1 as the FLOP and memory counts take it."""
+        if self.seg_classes:
+            return self.L - 1
         return self.mask_strata * self.E - 1
 
     def set_context_parallel(self, group, impl="ring"):
@@ -361,11 +373,14 @@ class MAE(nn.Module):
         return stratified_masking(noise, self.mask_strata // cp, self.E, has_cls=(cp_rank == 0))
 
     def forward(self, x, noise=None, ids_keep=None):
-        """x (B, 1, Z_loc, Y, X): normalised voxels of this rank's slab (the whole sample without cp).
+        """x (B, 1, Z_loc, Y, X): normalised voxels of this rank's slab (the whole sample without cp); a segmenter
+        (seg_classes > 0) takes (B, 2, Z_loc, Y, X), the labels as channel 1, and returns forward_segment's.
         ids_keep (B, n): the kept tokens (local indices, from keep_ids; what training passes), or noise
         (B, L_loc): masking noise for this rank's tokens (tests), or neither: random. Returns (loss, pred
         (B, L_loc, P), mask (B, L_loc)), where loss = this rank's masked squared error / the masked count of
         the whole sample (summed over cp)."""
+        if self.seg_classes:
+            return self.forward_segment(x)
         group = self.cp[0] if self.cp else None
         W = dist.get_world_size(group) if self.cp else 1
         r = dist.get_rank(group) if self.cp else 0
@@ -385,15 +400,53 @@ class MAE(nn.Module):
             dist.all_reduce(count, group=group)  # masked patches of the whole sample (no gradient flows here)
         return loss_sum / count, pred, mask
 
+    def forward_segment(self, x):
+        """Fine-tuning: x (B, 2, Z_loc, Y, X), channel 0 the normalised voxels of this rank's slab, channel 1 their
+        classes. Every token is visible and there is no cls token (under cp every rank then holds as many tokens as
+        the others); the decoder's blocks are the head, on every token. Returns (loss, logits (B, L_loc, P,
+        seg_out)), loss = this rank's summed voxel loss (seg_loss) / the voxels of the whole micro batch, so that
+        summed over cp it is the mean voxel loss, as the MAE's loss is."""
+        r = dist.get_rank(self.cp[0]) if self.cp else 0
+        patches, labels = patchify(x[:, :1], self.patch), patchify(x[:, 1:], self.patch)  # (B, L_loc, P) each
+        B, L_loc, _ = patches.shape
+        ids = torch.arange(L_loc, device=x.device)
+        latent = self.forward_encoder(patches, ids[None].expand(B, -1), offset=r * L_loc, has_cls=False)
+        h = self.decoder_embed(latent) + sincos_pos_embed(ids + r * L_loc, self.grid, self.dec_dim, latent.dtype)
+        h = self.decoder_norm(self.run_blocks(self.decoder_blocks, h, "dec"))
+        logits = self.seg_pred(h).view(B, L_loc, self.P, self.seg_out)
+        return seg_loss(logits, labels, self.seg_pos_weight) / (B * self.L * self.P), logits
+
     def flops_per_sample(self):
         """Training FLOPs per sample (forward + backward = 3 x forward; matmuls and attention only,
         the usual convention for MFU). A multiply-add counts 2 FLOPs.
           per block on N tokens of width C: qkv 6NC^2 + proj 2NC^2 + mlp 16NC^2 (ratio 4) + attention 4N^2C"""
+        if self.seg_classes:  # every token through the encoder and the head
+            return 3 * (2 * self.L * self.P * self.dim + len(self.blocks) * self.block_flops("enc")
+                        + 2 * self.L * self.dim * self.dec_dim + len(self.decoder_blocks) * self.block_flops("dec")
+                        + 2 * self.L * self.dec_dim * self.P * self.seg_out)
         n = self.n_keep()
         enc = 2 * n * self.P * self.dim + len(self.blocks) * self.block_flops("enc")
         dec = (2 * n * self.dim * self.dec_dim + len(self.decoder_blocks) * self.block_flops("dec")
                + 2 * self.L * self.dec_dim * self.P)
         return 3 * (enc + dec)
+
+
+def seg_loss(logits, labels, pos_weight=1.0):
+    """Summed voxel cross-entropy: logits (B, N, P, C) in any float dtype, labels (B, N, P) class indices (as floats).
+    Binary (C = 1: one logit, class 1 = a fault): BCE with class-1 voxels weighted by pos_weight (thin faults are a
+    few per cent of the voxels; unweighted, calling every voxel 0 is a good loss). C > 1: softmax cross-entropy.
+    Computed in fp32."""
+    logits = logits.float()
+    if logits.shape[-1] == 1:
+        y = labels.float()
+        return F.binary_cross_entropy_with_logits(logits[..., 0], y, reduction="sum",
+                                                  pos_weight=torch.tensor(pos_weight, device=y.device))
+    return F.cross_entropy(logits.flatten(0, 2), labels.flatten().long(), reduction="sum")
+
+
+def seg_classes_of(logits):
+    """logits (..., C) -> class per voxel (binary: logit > 0)."""
+    return (logits[..., 0] > 0).long() if logits.shape[-1] == 1 else logits.argmax(-1)
 
 
 def mae_loss(pred, patches, ids_masked, norm_pix_loss=False):
@@ -457,12 +510,16 @@ def token_grid(shape, patch):
 
 
 def build_model(cfg, device=None, train=False):
-    """The one place an MAE is built from a config (train.py's keys: a run's, or a model file's). Not seeded:
+    """The one place an MAE is built from a config (train.py's keys: a run's, or a model file's; task="segment":
+    the fine-tuning model, encoder + segmentation head). Not seeded:
     train.py seeds with cfg["seed"] first; seed before calling this for the run's init. device="meta": shapes and
     parameter counts, no memory. train=True: with the run's activation checkpointing (grad_ckpt, ckpt_blocks),
     which changes how training recomputes, not the function."""
     ckpt = train and cfg["grad_ckpt"] and (True if cfg["ckpt_blocks"] < 0 else cfg["ckpt_blocks"])
+    seg = cfg.get("task", "mae") == "segment"  # (a model file of a run older than fine-tuning has no task: "mae")
     with torch.device(device if device is not None else torch.get_default_device()):
         return MODELS[cfg["model_size"]](grid=token_grid(cfg["crop"], cfg["patch"]), patch=tuple(cfg["patch"]),
                                          mask_ratio=cfg["mask_ratio"], norm_pix_loss=cfg.get("norm_pix_loss", False),
-                                         mask_strata=cfg.get("mask_strata") or cfg.get("cp", 1), grad_ckpt=ckpt)
+                                         mask_strata=cfg.get("mask_strata") or cfg.get("cp", 1), grad_ckpt=ckpt,
+                                         seg_classes=cfg["classes"] if seg else 0,
+                                         seg_pos_weight=cfg.get("pos_weight", 1.0))

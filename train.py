@@ -107,6 +107,15 @@ def check_config(cfg):
         except ImportError as e:
             raise configurator.ConfigError(f"figures=True needs matplotlib ({e}): pip install matplotlib (it is in "
                                            f"requirements.txt), or set figures=False") from None
+    # fine-tuning
+    need(cfg["task"] in ("mae", "segment"), f"task must be 'mae' (pretraining) or 'segment' (fine-tuning), got "
+                                            f"{cfg['task']!r}")
+    if cfg["task"] == "segment":
+        need(cfg["classes"] >= 2, f"classes must be >= 2 (2: binary, e.g. fault / no fault), got {cfg['classes']}")
+        need(cfg["pos_weight"] > 0, f"pos_weight must be > 0 (1: unweighted), got {cfg['pos_weight']}")
+        need(0 < cfg["layer_decay"] <= 1, f"layer_decay must be in (0, 1] (1: off; MAE fine-tunes with 0.75), got "
+                                          f"{cfg['layer_decay']}")
+        need(bool(cfg["label_var"]), "task='segment' needs label_var: the stores' class variable (e.g. 'fault')")
     if cfg["tensorboard"]:
         try:
             importlib.import_module("torch.utils.tensorboard")  # fail now, not after hours of training
@@ -203,12 +212,15 @@ def prepare_batch(job, x, ids):
                             and dp/cp layout trains on the same masks);
       x (B, 1, Z/cp, Y, X): cast to the compute dtype, on GPU straight into pinned memory (the copy to the
                             device can then overlap compute: a pageable source makes it synchronous, and a
-                            cast on the way makes it a CPU conversion on the training thread)."""
-    noise = data.mask_noise(job.cfg["seed"], ids, job.model.L, job.cp_rank, job.cp)  # (B, L / cp) fp32
-    ids_keep = job.model.keep_ids(noise, job.cp_rank, job.cp)
+                            cast on the way makes it a CPU conversion on the training thread).
+    Fine-tuning (task="segment"): no mask (ids_keep None), and x is (B, 2, ...), the labels as channel 1."""
+    ids_keep = None
+    if job.cfg["task"] == "mae":
+        noise = data.mask_noise(job.cfg["seed"], ids, job.model.L, job.cp_rank, job.cp)  # (B, L / cp) fp32
+        ids_keep = job.model.keep_ids(noise, job.cp_rank, job.cp)
     if job.on_gpu:
         buf = torch.empty(x.shape, dtype=job.dtype, pin_memory=True)
-        return buf.copy_(x), ids_keep.pin_memory()
+        return buf.copy_(x), None if ids_keep is None else ids_keep.pin_memory()
     return x.to(job.dtype), ids_keep
 
 
@@ -228,7 +240,7 @@ def train_step(job, step, batches, stop=0.0):
     cfg, engine = job.cfg, job.engine
     lr = get_lr(step, job.peak_lr, cfg)
     for group in job.optimizer.param_groups:  # ZeRO wraps this optimizer; its groups stay the ones it steps
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # (lr_scale: layer_decay's, strategies.make_optimizer)
     # on the device: NCCL reduces only CUDA tensors
     acc, wait = torch.zeros(2, device=job.device), 0.0  # [loss, stop flag]: one all-reduce carries both
     if stop:
@@ -238,9 +250,11 @@ def train_step(job, step, batches, stop=0.0):
         x, ids_keep = next(batches)  # (micro_batch, 1, crop[0] / cp, crop[1], crop[2]) in the compute dtype
         # pinned -> device without blocking this thread (a no-op on CPU); the copy is queued on the stream
         # ahead of the forward that reads it
-        x, ids_keep = x.to(job.device, non_blocking=True), ids_keep.to(job.device, non_blocking=True)
+        x = x.to(job.device, non_blocking=True)
+        if ids_keep is not None:
+            ids_keep = ids_keep.to(job.device, non_blocking=True)
         wait += time.time() - t0
-        loss, _, _ = engine(x, ids_keep=ids_keep)
+        loss = engine(x, ids_keep=ids_keep)[0]  # (MAE: loss, pred, mask; segmenter: loss, logits)
         acc[0] += loss.detach().float() / cfg["grad_accum"]
         engine.backward(loss * job.cp)  # see the docstring: x cp, then ZeRO averages over the world
         engine.step()  # DeepSpeed steps the optimizer at the last micro step only
@@ -318,9 +332,11 @@ class RunLog:
             return
         self.read_back()  # the training records up to here are in log.jsonl before loss.png reads it
         t0 = time.time()
-        val, fig = evaluate.on_job(self.job, done, self.file)
+        record, fig = evaluate.on_job(self.job, done, self.file)
         if self.tb:
-            self.tb.add_scalar("loss/val", val, done)
+            self.tb.add_scalar("loss/val", record["val_loss"], done)
+            for c, iou in enumerate(record.get("val_iou", [])):
+                self.tb.add_scalar(f"iou/class_{c}", iou, done)
             if fig is not None:
                 self.tb.add_figure("reconstruction", fig, done)
             self.tb.flush()
@@ -346,8 +362,11 @@ def main(argv, stop=None):
         return dryrun.check_launch(cfg)
     job = setup(cfg)
     model, log = job.model, job.log
-    log(f"model {cfg['model_size']}: {job.n_params / 1e6:.2f} M params | grid {job.grid} = {model.L} tokens, "
-        f"{model.n_keep()} visible (mask ratio {1 - model.n_keep() / model.L:.4f} realised, {cfg['mask_ratio']} asked) | "
+    seen = (f"{model.n_keep()} visible (mask ratio {1 - model.n_keep() / model.L:.4f} realised, {cfg['mask_ratio']} "
+            f"asked)" if cfg["task"] == "mae" else f"all visible, {cfg['classes']} classes of {cfg['label_var']!r}")
+    log(f"model {cfg['model_size']}{' (fine-tuning: segment)' if cfg['task'] == 'segment' else ''}: "
+        f"{job.n_params / 1e6:.2f} M params | grid {job.grid} = {model.L} tokens, "
+        f"{seen} | "
         f"world {job.world} = dp {job.dp_size} x cp {job.cp} ({cfg['cp_impl'] if job.cp > 1 else 'no cp'}) | "
         f"global batch {job.global_batch} | peak lr {job.peak_lr:.3g} | {job.dtype} on {job.device.type}")
 
@@ -364,8 +383,8 @@ def main(argv, stop=None):
     if cfg["eval_only"]:
         if not start:
             raise configurator.ConfigError(f"eval_only=True but {ckpt_dir} holds no complete checkpoint to evaluate")
-        val, _ = evaluate.on_job(job, start, None)  # redraws that step's figure; log.jsonl is the run's, left alone
-        log(json.dumps({"step": start, "val_loss": val}))  # the last line: the value, as log.jsonl holds it
+        record, _ = evaluate.on_job(job, start, None)  # redraws that step's figure; log.jsonl is the run's, left alone
+        log(json.dumps(record))  # the last line: the values, as log.jsonl holds them
         return 0
     if start is None:
         return 0  # the run is already complete

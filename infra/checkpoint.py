@@ -350,6 +350,9 @@ def check_compatible(meta, cfg, world, dtype, where):
     # GPU). Older checkpoints lack some keys: those are not compared.
     def resolved(c, dt):
         return {**{k: c.get(k) for k in ("model_size", "patch", "seed", "strategy", "crop", "mask_ratio")},
+                # the task and what it learns (older checkpoints: pretraining)
+                "task": c.get("task", "mae"), **({k: c.get(k) for k in ("label_var", "classes")}
+                                                 if c.get("task") == "segment" else {}),
                 "mask_strata": (c.get("mask_strata") or c.get("cp")) if "mask_strata" in c else None,
                 # what is held out: training never touched it, and must not start to (nor a validation of trained
                 # inlines pass for held out, e.g. an eval_only with another val_frac)
@@ -358,7 +361,7 @@ def check_compatible(meta, cfg, world, dtype, where):
     was = resolved(meta["config"], meta.get("dtype"))
     now = resolved(json.loads(json.dumps(cfg)), dtype)  # tuples come back as lists
     for key in was:
-        if was[key] is not None and now[key] is not None and was[key] != now[key]:
+        if was[key] is not None and now.get(key) is not None and was[key] != now[key]:
             hint = ("; the masks follow mask_strata, which defaults to cp: a run that will change cp sets "
                     "mask_strata (a multiple of every cp it will use) from its start" if key == "mask_strata" else "")
             raise configurator.ConfigError(

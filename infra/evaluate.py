@@ -3,7 +3,8 @@ Held-out validation: the masked loss on fixed validation samples, on every rank,
 sample 0 that the reconstruction figure shows.
 
     val_loss, per_sample, slices = evaluate.run(forward, model, sampler, seed, n, ...)   any caller, all ranks
-    val_loss, figure = evaluate.on_job(job, step, log_file)                          train.py's evaluation
+    val_loss, scores, slices = evaluate.run_segment(forward, model, sampler, n, ...)     fine-tuning's
+    record, figure = evaluate.on_job(job, step, log_file)     train.py's: {step, val_loss (, val_iou, val_dice)}
 
 The validation set is samples 0 .. n-1 of the validation stream (data.Sampler(stream="val"), inside the
 held-out inlines or the val_paths stores): sample i's crop and mask are functions of (seed, i) alone, so the
@@ -84,37 +85,98 @@ def run(forward, model, sampler, seed, n, device, dtype, micro_batch, cp_rank=0,
     return sum(per_sample) / n, per_sample, slices
 
 
+@torch.no_grad()
+def run_segment(forward, model, sampler, n, device, dtype, micro_batch, cp_rank=0, cp=1, dp_rank=0, dp_size=1,
+                want_slices=False):
+    """Fine-tuning's validation over samples 0..n-1 (sampler with label_var: (B, 2, ...) batches), on every rank:
+    (the mean voxel loss, {"iou": [per class], "dice": [per class]}, slices of sample 0 as run() gives them, with
+    (amplitude, predicted class, label) for (original, reconstruction, mask)). IoU and Dice pool the voxels of all
+    n samples: class c's true positives, false positives and false negatives are counted per sample on each rank,
+    one all-reduce sums them over the world, so the scores do not depend on the dp / cp layout. Binary
+    (classes 2): class 1 is the positive (a fault)."""
+    C = model.seg_classes
+    sums = torch.zeros(n, dtype=torch.float64, device=device)
+    counts = torch.zeros(n, C, 3, dtype=torch.float64, device=device)  # per sample and class: tp, fp, fn
+    parts = None
+    for batch in assignment(n, dp_rank, dp_size, micro_batch):
+        ids = [i for i, _ in batch]
+        x = sampler.read(ids).to(device=device, dtype=dtype)  # (B, 2, Z / cp, Y, X): amplitude, labels
+        _, logits = forward(x)  # (B, L / cp, P, seg_out)
+        y = M.patchify(x[:, 1:].float(), model.patch).long()  # (B, L / cp, P)
+        pred = M.seg_classes_of(logits)
+        for b, (i, w) in enumerate(batch):
+            if w:
+                sums[i] += M.seg_loss(logits[b:b + 1], y[b:b + 1], model.seg_pos_weight).double() / (model.L * model.P)
+                for c in range(C):
+                    p, t = pred[b] == c, y[b] == c
+                    counts[i, c] += torch.stack([(p & t).sum(), (p & ~t).sum(), (~p & t).sum()]).double()
+        if want_slices and dp_rank == 0 and parts is None and ids[0] == 0:
+            g = [s // q for s, q in zip(x.shape[2:], model.patch)]
+            vox = M.unpatchify(pred[:1, :, :, None].float(), model.patch, g)[0, 0]  # (Z_loc, Y, X) classes
+            parts = centre_parts(x[0, 0], vox, x[0, 1], cp_rank * x.shape[2], cp * x.shape[2])
+    slices = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+        dist.all_reduce(counts)
+        if want_slices:
+            got = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(parts, got, dst=0)
+            if dist.get_rank() == 0:
+                slices = join_parts(got[:cp])
+    elif want_slices:
+        slices = join_parts([parts])
+    tp, fp, fn = counts.sum(0).unbind(-1)  # (C,) each
+    scores = {"iou": (tp / (tp + fp + fn).clamp(min=1)).tolist(), "dice": (2 * tp / (2 * tp + fp + fn).clamp(min=1)).tolist()}
+    return float(sums.mean()), scores, slices
+
+
 def on_job(job, step, log_file):
     """train.py's evaluation: the validation loss of the job's model as it is now, after `step` optimizer
     steps. Every rank computes its share (run), rank 0 logs it (log_file: log.jsonl, or None) and draws the
-    figures. Returns (val_loss, the reconstruction Figure on rank 0 when figures are on, else None)."""
+    figures. Returns (the record log.jsonl gets: step, val_loss, and for fine-tuning val_iou and val_dice per class;
+    the Figure on rank 0 when figures are on, else None)."""
     cfg, t0 = job.cfg, time.time()
+    segment = cfg["task"] == "segment"
+    where = (job.device, job.dtype, cfg["micro_batch"], job.cp_rank, job.cp, job.dp_rank, job.dp_size)
     job.engine.eval()
     try:
-        val, per, slices = run(job.engine, job.model, job.val_sampler, cfg["seed"], cfg["eval_samples"], job.device,
-                               job.dtype, cfg["micro_batch"], job.cp_rank, job.cp, job.dp_rank, job.dp_size,
-                               want_slices=cfg["figures"])
+        if segment:
+            val, scores, slices = run_segment(job.engine, job.model, job.val_sampler, cfg["eval_samples"], *where,
+                                              want_slices=cfg["figures"])
+        else:
+            val, per, slices = run(job.engine, job.model, job.val_sampler, cfg["seed"], cfg["eval_samples"], *where,
+                                   want_slices=cfg["figures"])
     finally:
         job.engine.train()
     if not math.isfinite(val):
         raise FloatingPointError(f"non-finite validation loss ({val}) at step {step}: stopping. Lower blr or raise "
                                  f"warmup_steps, and check the validation data for NaN/inf outside dead traces.")
+    record = {"step": step, "val_loss": val}
+    if segment:
+        record.update(val_iou=scores["iou"], val_dice=scores["dice"])
     if log_file:  # (eval_s: the forward passes; the figures come after)
-        log_file.write(json.dumps({"step": step, "val_loss": val, "eval_s": round(time.time() - t0, 3)}) + "\n")
+        log_file.write(json.dumps({**record, "eval_s": round(time.time() - t0, 3)}) + "\n")
         log_file.flush()
     fig = None
     if job.rank == 0 and cfg["figures"]:
         fig_dir = os.path.join(cfg["out_dir"], "figures")
         v, origin = job.val_sampler.locate(0)
         store = os.path.basename(job.val_sampler.records[v]["url"].rstrip("/"))
-        title = figure_title(f"validation sample 0: {store}, crop {tuple(cfg['crop'])} at {origin}", step,
-                                         per[0], 1 - job.model.n_keep() / job.model.L, cfg["norm_pix_loss"])
-        fig = recon_figure(os.path.join(fig_dir, f"recon_step_{step:07d}.png"), slices, origin, title)
+        what = f"validation sample 0: {store}, crop {tuple(cfg['crop'])} at {origin}"
+        if segment:
+            fig = seg_figure(os.path.join(fig_dir, f"segment_step_{step:07d}.png"), slices, origin,
+                             f"{what} | step {step} | IoU per class {[round(s, 3) for s in scores['iou']]}")
+        else:
+            title = figure_title(what, step, per[0], 1 - job.model.n_keep() / job.model.L, cfg["norm_pix_loss"])
+            fig = recon_figure(os.path.join(fig_dir, f"recon_step_{step:07d}.png"), slices, origin, title)
         if log_file:
-            loss_figure(os.path.join(fig_dir, "loss.png"), log_file.name)
-    job.log(f"step {step:5d} | val loss {val:.4f} over {cfg['eval_samples']} held-out samples | "
+            loss_figure(os.path.join(fig_dir, "loss.png"), log_file.name,
+                        "voxel cross-entropy" if segment else "masked MSE")
+    extra = (f" | IoU {scores['iou'][-1]:.4f}, Dice {scores['dice'][-1]:.4f} (class {len(scores['iou']) - 1})"
+             if segment else "")
+    job.log(f"step {step:5d} | val loss {val:.4f}{extra} over {cfg['eval_samples']} held-out samples | "
             f"{time.time() - t0:.2f} s")
-    return val, fig
+    return record, fig
 
 
 # -----------------------------------------------------------------------------
@@ -207,6 +269,39 @@ def recon_figure(path, slices, origin, title):
     return fig
 
 
+def seg_figure(path, slices, origin, title):
+    """Fine-tuning's figure: for the inline, crossline and time slices through validation sample 0's centre, the
+    amplitude, the label over it and the prediction over it (slices: run_segment's, (amplitude, predicted class,
+    label) per slice). Written to `path` (PNG); returns the Figure."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 9.5), dpi=64)
+    axes = fig.subplots(3, 3, gridspec_kw=dict(left=0.06, right=0.99, bottom=0.05, top=0.9, wspace=0.12, hspace=0.42))
+    axis_of = {"inline": (1, 2), "crossline": (0, 2), "time": (0, 1)}
+    for row, (name, across, down) in zip(axes, ROWS):
+        amp, pred, label = slices[name]
+        clip = float(np.percentile(np.abs(amp), 99)) or 1.0
+        a, b = axis_of[name]
+        extent = (origin[a] - 0.5, origin[a] + amp.shape[0] - 0.5, origin[b] + amp.shape[1] - 0.5, origin[b] - 0.5)
+        for ax, (what, classes) in zip(row, (("amplitude", None), ("label", label), ("prediction", pred))):
+            ax.imshow(amp.T, cmap="gray", vmin=-clip, vmax=clip, extent=extent, aspect="auto", interpolation="nearest")
+            if classes is not None:  # class 0 transparent, the others coloured over the amplitude
+                ax.imshow(np.ma.masked_equal(classes.T, 0), cmap="autumn", alpha=0.6, extent=extent, aspect="auto",
+                          interpolation="nearest")
+            ax.set_title(f"{name} slice: {what}", fontsize=9)
+            ax.set_xlabel(across, fontsize=8)
+            ax.tick_params(labelsize=7)
+            if ax is row[0]:
+                ax.set_ylabel(down, fontsize=8)
+            else:
+                ax.tick_params(labelleft=False)
+    fig.suptitle(title, fontsize=10)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    return fig
+
+
 def read_losses(log_path):
     """(train, val) from a run's log.jsonl: {step: loss}, the last record of each step winning (a resumed run
     re-runs the steps after its checkpoint and logs them again)."""
@@ -221,7 +316,7 @@ def read_losses(log_path):
     return train, val
 
 
-def loss_figure(path, log_path):
+def loss_figure(path, log_path, ylabel="masked MSE"):
     """Train and validation loss against step, log scale, from log.jsonl."""
     import matplotlib
     matplotlib.use("Agg")
@@ -235,7 +330,7 @@ def loss_figure(path, log_path):
         ax.plot(sorted(val), [val[s] for s in sorted(val)], "o-", ms=4, label="validation (held out)")
     ax.set_yscale("log")
     ax.set_xlabel("step")
-    ax.set_ylabel("masked MSE")
+    ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -44,7 +44,8 @@ FORMAT, VERSION = "seismic-mae", 1
 # the MAE's top-level parts (model.MAE.__init__). Every weight belongs to exactly one of them: a part added to
 # the model later must be added here, or export fails loudly instead of silently dropping it or keeping it.
 ENCODER = ("patch_embed", "cls_token", "blocks", "norm")
-DECODER = ("decoder_embed", "mask_token", "decoder_blocks", "decoder_norm", "decoder_pred")
+DECODER = ("decoder_embed", "mask_token", "decoder_blocks", "decoder_norm", "decoder_pred", "seg_pred")
+PRETRAINING_ONLY = ("mask_token", "decoder_pred")  # what fine-tuning (task="segment") does not use
 
 
 # -----------------------------------------------------------------------------
@@ -371,19 +372,26 @@ def warm_start(model, path, cfg, name=None):
     check_init(meta["config"], cfg, path)
     own = model.state_dict()
     want = [k for k in own if meta.get("encoder_only") is not True or part(k) == "encoder"]
-    _check_names(sd.keys(), want, path)
+    have = list(sd)
+    if model.seg_classes and meta["config"].get("task", "mae") == "mae":  # fine-tuning a pretrained MAE: its encoder
+        want = [k for k in want if not k.startswith("seg_pred")]  # and decoder blocks; the head's output is new
+        have = [k for k in have if not k.startswith(PRETRAINING_ONLY)]
+    _check_names(have, want, path)
     with torch.no_grad():
         for k in want:
             if tuple(sd[k].shape) != tuple(own[k].shape):
                 raise configurator.ConfigError(f"init_from {path}: weight {k} is {tuple(sd[k].shape)}, this run's MAE "
                                                f"has {tuple(own[k].shape)}")
             own[k].copy_(sd[k])  # (state_dict's tensors share the parameters' storage)
-    some = len(want) < len(own)
+    fresh = {k.split(".")[0] for k in own if k not in want}
     src = meta["config"]
+    took, note = (("the encoder", " (the decoder starts fresh)") if "decoder_blocks" in fresh else
+                  ("every weight but the head's output layer", " (seg_pred starts fresh)") if fresh else
+                  ("every weight", ""))
+    kind = "MAE" if src.get("task", "mae") == "mae" else "segmenter"
     return (f"init_from {name or path}{f' (exported to {path})' if name else ''}: "
-            f"{'the encoder' if some else 'every weight'} of a {src['model_size']} MAE trained {meta['step']} steps on "
-            f"{tuple(src['crop'])} crops{' (the decoder starts fresh)' if some else ''}; a new run from step 0, "
-            f"fresh optimizer")
+            f"{took} of a {src['model_size']} {kind} trained {meta['step']} steps on {tuple(src['crop'])} crops{note}; "
+            f"a new run from step 0, fresh optimizer")
 
 
 def init_from(model, cfg, log):

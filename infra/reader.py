@@ -21,6 +21,7 @@ as NaN (MDIO's fill value) and become 0 after normalisation, i.e. the volume mea
 """
 
 import asyncio
+import copy
 import itertools
 import json
 import math
@@ -255,6 +256,7 @@ class Volume:
                                 f"{', '.join(f'{k} {then[k]}' for k in differ)}: the store changed since it was "
                                 f"indexed; index it again (python -m scripts.library index ... --out MANIFEST)")
         self.bytes_read = 0  # voxel bytes delivered (uncompressed), for the GB/s in the log
+        self.variables = {}  # name -> the store's other variables opened so far (variable())
 
     def _open(self):
         url = self.url
@@ -280,7 +282,7 @@ class Volume:
             if name not in node:
                 raise DataError(f"{url!r} has no variable {name!r}: expected an MDIO store with a 3D {name!r} "
                                 f"array (or set data_paths to the array itself)")
-            self.arr, self.format = node[name], "mdio_v1"
+            self.arr, self.format, self.group = node[name], "mdio_v1", node
             self._check_3d(url)
             stats = self.arr.attrs.get("statsV1")
             if stats is None:
@@ -292,6 +294,32 @@ class Volume:
                                                   url)
             if "trace_mask" in node:
                 self.trace_mask = np.asarray(node["trace_mask"][:], dtype=bool)
+
+    def variable(self, name):
+        """Another variable of this MDIO v1 store on the same (inline, crossline, time) grid, read as this one is
+        (requests, retries, the decoder) but never normalised: the labels that fine-tuning reads (`fault`, a facies
+        volume). Its values come back as float32 (class indices, exact up to 2^24)."""
+        cached = self.variables.get(name)
+        if cached is not None:
+            return cached
+        group = getattr(self, "group", None)
+        if group is None or name not in group:
+            have = sorted(k for k in group.array_keys() if k != self.arr.basename and group[k].ndim == 3) \
+                if group is not None else []
+            raise DataError(f"{self.url!r} has no label variable {name!r} (it has {have or 'no other variable'}): "
+                            f"fine-tuning (task='segment') reads an integer class volume beside the amplitude of an "
+                            f"MDIO v1 store; set label_var to one of them, or write the labels into the store")
+        other = copy.copy(self)
+        other.arr, other.record, other.bytes_read = group[name], None, 0
+        if tuple(other.arr.shape) != self.shape:
+            raise DataError(f"{self.url!r}: label variable {name!r} has shape {tuple(other.arr.shape)}, the amplitude "
+                            f"{self.shape}: labels must be on the amplitude's grid, one class per voxel")
+        if not np.issubdtype(other.arr.dtype, np.integer) and other.arr.dtype != np.bool_:
+            raise DataError(f"{self.url!r}: label variable {name!r} is {other.arr.dtype}; class labels are integers")
+        other.chunks, other.decode = tuple(other.arr.chunks), chunk_decoder(other.arr)
+        other.mean, other.std, other.variables = 0.0, 1.0, {}
+        self.variables[name] = other
+        return other
 
     def describe(self):
         """This store's manifest line (infra/library.py): what sampling needs, so that a run need not open it at start-up."""

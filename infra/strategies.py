@@ -98,11 +98,32 @@ def set_fp32_master(opt, p, value):
 
 
 def make_optimizer(model, cfg, lr):
-    """AdamW; weight decay on weight matrices and the conv kernel only (not biases, norms, cls/mask tokens)."""
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "token" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "token" not in n)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(cfg["beta1"], cfg["beta2"]))
+    """AdamW; weight decay on weight matrices and the conv kernel only (not biases, norms, cls/mask tokens).
+    Fine-tuning with layer_decay < 1 (MAE's recipe): one group per encoder depth, with lr_scale = layer_decay^(depth
+    + 1 - k) for block k - 1 (k = 1 .. depth), ^(depth + 1) for the patch embedding and cls token (k = 0), 1 for the
+    final norm and the head; train_step sets each group's lr to the schedule's x its lr_scale."""
+    def decays(n, p):
+        return p.ndim >= 2 and "token" not in n
+    if cfg.get("task") != "segment" or cfg.get("layer_decay", 1.0) >= 1.0:
+        decay = [p for n, p in model.named_parameters() if decays(n, p)]
+        no_decay = [p for n, p in model.named_parameters() if not decays(n, p)]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(cfg["beta1"], cfg["beta2"]))
+    depth = len(model.blocks)
+
+    def layer(n):
+        if n.startswith(("patch_embed", "cls_token")):
+            return 0
+        if n.startswith("blocks."):
+            return int(n.split(".")[1]) + 1
+        return depth + 1
+    groups = {}
+    for n, p in model.named_parameters():
+        k, wd = layer(n), decays(n, p)
+        g = groups.setdefault((k, wd), {"params": [], "weight_decay": cfg["weight_decay"] if wd else 0.0,
+                                        "lr_scale": cfg["layer_decay"] ** (depth + 1 - k)})
+        g["params"].append(p)
+    return torch.optim.AdamW([groups[k] for k in sorted(groups)], lr=lr, betas=(cfg["beta1"], cfg["beta2"]))
 
 
 class FSDP2Engine:

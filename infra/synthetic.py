@@ -3,6 +3,7 @@ A synthetic seismic volume and its MDIO store: the quickstart's data, and the te
 
   1. synthetic_volume()      a seismic-like volume: layered reflectivity with dips, folds and a fault,
                              convolved with a Ricker wavelet, plus noise, with a patch of dead traces
+     faultseg_volume()       a fault-segmentation volume and its labels, by FaultSeg3D's published recipe
   2. write_mdio()            writes a volume as a Zarr v3 store in the MDIO v1 layout, as the official
                              `multidimio` library does (group attrs, `amplitude` with dims
                              inline/crossline/time, `statsV1`, `trace_mask`, coordinate arrays)
@@ -112,6 +113,69 @@ def fault_mask(shape, planes, half_width=FAULT_HALF_WIDTH):
     return mask
 
 
+def faultseg_volume(shape, seed=0, dt=0.004, half_width=FAULT_HALF_WIDTH, snr_db=None):
+    """A fault-segmentation training volume by FaultSeg3D's published recipe (Wu et al. 2019, Geophysics), with its
+    labels: (vol float32 (inline, crossline, time), standardised; fault uint8 (1 on a fault); the faults as dicts).
+
+      * a random 1D reflectivity series (values uniform in [-1, 1]) in reference time tau;
+      * folding: a vertical shift s1 = a0 + 1.5 t / nt * sum of Gaussian bumps over (inline, crossline), growing
+        with depth, plus planar shear s2 = e0 + f i + g j;
+      * 5 to 8 faults, strike uniform in [0, 360) degrees, dip in [62, 82], through a random point of the middle of
+        the volume; the hanging wall slides down the dip by the throw, 5 to 30 samples at the fault's centre and
+        tapering as a Gaussian along the plane; later faults cut earlier ones;
+      * the reflectivity imaged at every voxel, convolved along time with a Ricker wavelet of 20 to 35 Hz;
+      * band-limited noise (white noise through the same wavelet) at a signal-to-noise ratio of 3 to 8 dB (or
+        snr_db);
+      * standardised (mean 0, std 1). The labels: the voxels within half_width of a fault plane (measured where that
+        fault cut, before later faults moved it) wherever its throw is at least one sample.
+    Every voxel is mapped back to the reference by undoing the faults newest first, then the folding."""
+    ni, nx, nt = shape
+    rng = np.random.default_rng([seed, 25])  # a stream of its own: synthetic_volume's seeds draw other volumes
+    x = [np.broadcast_to(np.arange(n, dtype=np.float64).reshape([-1 if k == a else 1 for k in range(3)]), shape)
+         for a, n in enumerate(shape)]  # voxel coordinates (i, j, t), in samples
+    x = [c.copy() for c in x]
+    size = max(ni, nx)
+    faults = []
+    for _ in range(rng.integers(5, 9)):
+        strike, dip = np.radians(rng.uniform(0, 360)), np.radians(rng.uniform(62, 82))
+        along = np.array([np.cos(strike), np.sin(strike), 0.0])  # horizontal, in the plane
+        down = np.array([-np.sin(strike) * np.cos(dip), np.cos(strike) * np.cos(dip), np.sin(dip)])  # down the dip
+        normal = np.cross(along, down)  # unit: along and down are orthonormal
+        centre = np.array([rng.uniform(0.2, 0.8) * n for n in shape])
+        faults.append({"strike_deg": float(np.degrees(strike)), "dip_deg": float(np.degrees(dip)),
+                       "normal": normal, "down": down, "along": along, "centre": centre,
+                       "throw": float(rng.uniform(5, 30)), "spread": float(rng.uniform(0.5, 1.0) * size)})
+    fault = np.zeros(shape, dtype=bool)
+    for f in reversed(faults):  # undo the newest fault first: what lies at x now lay at x - throw x down before it
+        rel = [c - o for c, o in zip(x, f["centre"])]
+        side = sum(r * n for r, n in zip(rel, f["normal"]))  # signed distance to the plane
+        u = sum(r * a for r, a in zip(rel, f["along"]))  # position in the plane
+        v = sum(r * d for r, d in zip(rel, f["down"]))
+        throw = f["throw"] * np.exp(-(u ** 2 + v ** 2) / (2 * f["spread"] ** 2))
+        fault |= (np.abs(side) <= half_width) & (throw >= 1.0)
+        hanging = side > 0
+        for k in range(3):
+            x[k] = x[k] - hanging * throw * f["down"][k]
+    i, j, t = x
+    bumps = sum(rng.uniform(-1, 1) * rng.uniform(4, 12) *
+                np.exp(-((i - rng.uniform(0, ni)) ** 2 + (j - rng.uniform(0, nx)) ** 2) / (2 * (rng.uniform(0.1, 0.3) * size) ** 2))
+                for _ in range(rng.integers(4, 9)))
+    s1 = rng.uniform(0, 5) + 1.5 * t / nt * bumps
+    s2 = rng.uniform(0, 5) + rng.uniform(-0.15, 0.15) * i + rng.uniform(-0.15, 0.15) * j
+    tau = t + s1 + s2 + 2 * nt  # reference time, kept inside the series below
+    refl = rng.uniform(-1, 1, size=5 * nt)
+    image = refl[np.clip(np.rint(tau).astype(np.int64), 0, len(refl) - 1)]
+    w = ricker(rng.uniform(20, 35), dt)
+    vol = np.apply_along_axis(lambda r: np.convolve(r, w, mode="same"), 2, image)
+    noise = np.apply_along_axis(lambda r: np.convolve(r, w, mode="same"), 2, rng.normal(size=shape))
+    snr_db = rng.uniform(3, 8) if snr_db is None else snr_db
+    vol = vol + noise * np.sqrt(vol.var() / noise.var() / 10 ** (snr_db / 10))
+    vol = ((vol - vol.mean()) / vol.std()).astype(np.float32)
+    for f in faults:
+        f["snr_db"] = float(snr_db)
+    return vol, fault.astype(np.uint8), faults
+
+
 # -----------------------------------------------------------------------------
 # 2. write a volume as an MDIO v1 store (Zarr v3)
 
@@ -164,8 +228,10 @@ def write_mdio(path, vol, chunks=(64, 64, 64), first_inline=1, first_crossline=1
 
 
 def ensure_synthetic(path, shape, seed=0, chunks=(64, 64, 64)):
-    """Create the synthetic store at `path` unless it already exists (the quickstart calls this)."""
+    """Create the synthetic store at `path` unless it already exists (the quickstart calls this), with its fault
+    labels beside the amplitude (so that fine-tuning, task="segment", runs on it as it is)."""
     if not os.path.exists(os.path.join(path, "zarr.json")):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        write_mdio(path, synthetic_volume(shape, seed=seed), chunks=chunks)
+        vol, fault, _ = synthetic_volume(shape, seed=seed, labels=True)
+        write_mdio(path, vol, chunks=chunks, fault=fault)
     return path

@@ -1,0 +1,149 @@
+"""Fine-tuning for segmentation (task="segment") through train.py's one loop: under cp 2 the same losses and the same
+validation loss, IoU and Dice as on one rank (fp32); a stopped and resumed run follows the uninterrupted one; a
+start from a pretrained model file and from its out_dir are the same start, and not a start from scratch; bad labels
+are one clear error before any checkpoint. And the fault generator behind it (FaultSeg3D's recipe): its labels sit
+on the faults it made."""
+import json
+import os
+
+import numpy as np
+import pytest
+import zarr
+
+from conftest import run_train, small_args
+from infra import modelfile, synthetic
+
+SHAPE = (48, 32, 64)
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory):
+    """A FaultSeg3D-style volume with its fault labels, as an MDIO v1 store in 16^3 chunks."""
+    root = tmp_path_factory.mktemp("labelled")
+    vol, fault, _ = synthetic.faultseg_volume(SHAPE, seed=11)
+    return synthetic.write_mdio(str(root / "fs.mdio"), vol, chunks=(16, 16, 16), fault=fault.astype(bool))
+
+
+def seg_args(store, out, **kw):
+    return small_args(store, out, **{"task": "segment", "max_steps": 6, **kw})
+
+
+def val_records(out):
+    return [r for r in map(json.loads, open(os.path.join(out, "log.jsonl"))) if "val_loss" in r]
+
+
+def train_losses(out):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(out, "log.jsonl"))) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def one_rank(labelled, tmp_path_factory):
+    out = tmp_path_factory.mktemp("seg_cp1")
+    r = run_train(seg_args(labelled, out, figures=True))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, r
+
+
+def close(a, b, tol):
+    return abs(a - b) <= tol * max(1.0, abs(b))
+
+
+def test_cp2_fine_tunes_as_one_rank(labelled, one_rank, tmp_path):
+    out1, r1 = one_rank
+    assert "fine-tuning: segment" in r1.stdout and "all visible, 2 classes of 'fault'" in r1.stdout
+    out2 = tmp_path / "cp2"
+    r2 = run_train(seg_args(labelled, out2, cp=2, figures=True), nproc=2)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    l1, l2 = train_losses(out1), train_losses(out2)
+    assert sorted(l1) == sorted(l2) == list(range(6))
+    assert all(close(l2[s], l1[s], 1e-5) for s in l1), (l1, l2)
+    v1, v2 = val_records(out1), val_records(out2)
+    assert [v["step"] for v in v1] == [v["step"] for v in v2] == [0, 3, 6]
+    for a, b in zip(v1, v2):
+        assert close(b["val_loss"], a["val_loss"], 1e-5), (a, b)
+        for key in ("val_iou", "val_dice"):
+            assert len(a[key]) == 2 and all(close(y, x, 1e-5) for x, y in zip(a[key], b[key])), (key, a, b)
+    assert v1[-1]["val_loss"] < v1[0]["val_loss"]  # it learns something in 6 steps
+    for out in (out1, out2):  # (under cp 2 the slices are gathered from both ranks)
+        assert os.path.exists(out / "figures" / "segment_step_0000006.png")
+
+
+def test_stopped_and_resumed_fine_tuning_follows_the_uninterrupted_run(labelled, one_rank, tmp_path):
+    out1, _ = one_rank
+    out = tmp_path / "resumed"
+    a = run_train(seg_args(labelled, out, stop_step=3))
+    assert a.returncode == 0, a.stderr[-3000:]
+    b = run_train(seg_args(labelled, out))
+    assert b.returncode == 0 and "resum" in b.stdout.lower(), b.stderr[-3000:]
+    whole, parts = train_losses(out1), train_losses(out)  # (the resumed steps' records are the last ones)
+    assert all(close(parts[s], whole[s], 1e-6) for s in whole), (whole, parts)
+    assert close(val_records(out)[-1]["val_loss"], val_records(out1)[-1]["val_loss"], 1e-6)
+
+
+def test_starts_from_a_pretrained_model_file_and_its_out_dir_alike(labelled, tmp_path):
+    pre = tmp_path / "pre"
+    r = run_train(small_args(labelled, pre, max_steps=6))  # pretraining (task mae) on the same store
+    assert r.returncode == 0, r.stderr[-3000:]
+    file = modelfile.export(str(pre), out=str(tmp_path / "pre.pt"))
+    starts = {}
+    for name, src in (("file", file), ("out_dir", str(pre)), ("scratch", "")):
+        out = tmp_path / name
+        r = run_train(seg_args(labelled, out, max_steps=1, init_from=src))
+        assert r.returncode == 0, r.stderr[-3000:]
+        if src:
+            assert "every weight but the head's output layer of a tiny MAE trained 6 steps" in r.stdout, r.stdout
+        starts[name] = val_records(out)[0]  # the model before any fine-tuning step
+    assert starts["file"] == {**starts["out_dir"], "eval_s": starts["file"]["eval_s"]}
+    assert starts["file"]["val_loss"] != starts["scratch"]["val_loss"]
+
+
+def test_bad_labels_are_one_clear_error_before_any_checkpoint(labelled, tmp_path):
+    other = tmp_path / "other.mdio"
+    vol, fault, _ = synthetic.faultseg_volume(SHAPE, seed=12)
+    synthetic.write_mdio(str(other), vol, chunks=(16, 16, 16), fault=fault.astype(bool))
+    g = zarr.open_group(str(other), mode="r+")
+    g.create_array("small", shape=(8, 8, 8), chunks=(8, 8, 8), dtype="uint8")  # labels of another shape
+    g.create_array("soft", shape=SHAPE, chunks=(16, 16, 16), dtype="float32")  # not classes
+    g["fault"][:] = 3 * fault  # classes beyond classes=2
+    for store, kw, says in ((labelled, {"label_var": "facies"}, "has no label variable 'facies'"),
+                            (str(other), {"label_var": "small"}, "has shape (8, 8, 8), the amplitude (48, 32, 64)"),
+                            (str(other), {"label_var": "soft"}, "is float32; class labels are integers"),
+                            (str(other), {}, "holds class 3 in the crop"),
+                            (labelled, {"classes": 1}, "classes must be >= 2")):
+        out = tmp_path / f"bad_{len(os.listdir(tmp_path))}"
+        r = run_train(seg_args(store, out, **kw))
+        assert r.returncode == 2, (kw, r.stderr[-3000:])
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and says in last and "Traceback" not in r.stderr, (kw, r.stderr[-3000:])
+        assert not os.path.exists(out / "ckpt"), kw
+
+
+def _dilate(m, r):
+    out = m.copy()
+    for ax in range(3):
+        for s in range(1, r + 1):
+            out |= np.roll(m, s, ax) | np.roll(m, -s, ax)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_faultseg_labels_sit_on_the_faults_it_made(seed):
+    """The recipe's ranges (5-8 faults, dip 62-82 degrees, throw 5-30 samples); the newest fault's plane (no later
+    fault moved it) is labelled exactly where its throw is at least a sample; and, without noise, the amplitude
+    changes from voxel to voxel far more on the labelled voxels than away from them, which the same mask moved by
+    6 crosslines does not show (a mask off the faults fails)."""
+    vol, fault, faults = synthetic.faultseg_volume(SHAPE, seed=seed, snr_db=100.0)
+    m = fault.astype(bool)
+    assert vol.dtype == np.float32 and abs(vol.mean()) < 1e-4 and abs(vol.std() - 1) < 1e-3
+    assert 5 <= len(faults) <= 8 and all(62 <= f["dip_deg"] <= 82 and 5 <= f["throw"] <= 30 for f in faults)
+    f = faults[-1]
+    x = np.stack(np.meshgrid(*(np.arange(n, dtype=np.float64) for n in SHAPE), indexing="ij"), -1) - f["centre"]
+    throw = f["throw"] * np.exp(-((x @ f["along"]) ** 2 + (x @ f["down"]) ** 2) / (2 * f["spread"] ** 2))
+    newest = (np.abs(x @ f["normal"]) <= synthetic.FAULT_HALF_WIDTH) & (throw >= 1.0)
+    assert newest.any() and (m | ~newest).all()
+    g = np.zeros(SHAPE)
+    g[:-1] += np.abs(np.diff(vol, axis=0))
+    g[:, :-1] += np.abs(np.diff(vol, axis=1))
+    far = ~_dilate(m, 4)
+    on, shifted = g[m].mean() / g[far].mean(), g[np.roll(m, 6, 1)].mean() / g[far].mean()
+    assert on > 1.7 and on > 1.35 * shifted, (on, shifted)
