@@ -402,19 +402,24 @@ class MAE(nn.Module):
 
     def forward_segment(self, x):
         """Fine-tuning: x (B, 2, Z_loc, Y, X), channel 0 the normalised voxels of this rank's slab, channel 1 their
-        classes. Every token is visible and there is no cls token (under cp every rank then holds as many tokens as
-        the others); the decoder's blocks are the head, on every token. Returns (loss, logits (B, L_loc, P,
-        seg_out)), loss = this rank's summed voxel loss (seg_loss) / the voxels of the whole micro batch, so that
-        summed over cp it is the mean voxel loss, as the MAE's loss is."""
+        classes. Returns (loss, logits (B, L_loc, P, seg_out)), loss = this rank's summed voxel loss (seg_loss) / the
+        voxels of the whole micro batch, so that summed over cp it is the mean voxel loss, as the MAE's loss is."""
+        logits = self.seg_logits(x[:, :1])
+        labels = patchify(x[:, 1:], self.patch)  # (B, L_loc, P) classes
+        return seg_loss(logits, labels, self.seg_pos_weight) / (x.shape[0] * self.L * self.P), logits
+
+    def seg_logits(self, x):
+        """x (B, 1, Z_loc, Y, X) normalised voxels -> logits (B, L_loc, P, seg_out). Every token is visible and there
+        is no cls token (under cp every rank then holds as many tokens as the others); the decoder's blocks are the
+        head, on every token."""
         r = dist.get_rank(self.cp[0]) if self.cp else 0
-        patches, labels = patchify(x[:, :1], self.patch), patchify(x[:, 1:], self.patch)  # (B, L_loc, P) each
+        patches = patchify(x, self.patch)  # (B, L_loc, P)
         B, L_loc, _ = patches.shape
         ids = torch.arange(L_loc, device=x.device)
         latent = self.forward_encoder(patches, ids[None].expand(B, -1), offset=r * L_loc, has_cls=False)
         h = self.decoder_embed(latent) + sincos_pos_embed(ids + r * L_loc, self.grid, self.dec_dim, latent.dtype)
         h = self.decoder_norm(self.run_blocks(self.decoder_blocks, h, "dec"))
-        logits = self.seg_pred(h).view(B, L_loc, self.P, self.seg_out)
-        return seg_loss(logits, labels, self.seg_pos_weight) / (B * self.L * self.P), logits
+        return self.seg_pred(h).view(B, L_loc, self.P, self.seg_out)
 
     def flops_per_sample(self):
         """Training FLOPs per sample (forward + backward = 3 x forward; matmuls and attention only,
