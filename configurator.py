@@ -22,7 +22,7 @@ import copy
 # -----------------------------------------------------------------------------
 # every config key and its default (config/*.py files and --key=value change them)
 # I/O
-out_dir = "out/quickstart"  # logs and checkpoints
+out_dir = "out/quickstart"  # logs and checkpoints (task="segment" from init_from = this out_dir: out_dir + "_segment")
 data_paths = ["data/quickstart.mdio"]  # MDIO v1/v0 stores or 3D Zarr arrays (local, s3://, any fsspec URL), glob
 #                                        patterns (s3://bucket/library/*.mdio) and @manifests (python -m scripts.library index)
 sample_weighting = "volume"  # volume: a store drawn by its live voxels | uniform | manifest (each line's "weight")

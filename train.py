@@ -357,6 +357,9 @@ def main(argv, stop=None):
     checkpoint, and main then returns RESUMABLE)."""
     cfg = configurator.defaults()
     configurator.apply(cfg, argv)
+    if cfg["task"] == "segment" and cfg["init_from"] and \
+            os.path.abspath(cfg["init_from"]).rstrip("/") == os.path.abspath(cfg["out_dir"]).rstrip("/"):
+        cfg["out_dir"] = cfg["out_dir"].rstrip("/") + "_segment"  # fine-tuning never writes into the run it starts from
     check_config(cfg)
     if cfg["dry_run"]:
         return dryrun.check_launch(cfg)

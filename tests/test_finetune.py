@@ -147,3 +147,24 @@ def test_faultseg_labels_sit_on_the_faults_it_made(seed):
     far = ~_dilate(m, 4)
     on, shifted = g[m].mean() / g[far].mean(), g[np.roll(m, 6, 1)].mean() / g[far].mean()
     assert on > 1.7 and on > 1.35 * shifted, (on, shifted)
+
+
+@pytest.mark.slow
+def test_the_label_efficiency_table_runs_small():
+    """`python -m scripts.label_efficiency --quick`: the three models on the same draws, the table, and its JSON line
+    last with by_labels (IoU means per model, the paired difference to the better scratch baseline and its standard
+    error). Not thresholded: which wins is a measurement (README)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, job_env
+    r = subprocess.run([sys.executable, "-m", "scripts.label_efficiency", "--quick"], cwd=ROOT, env=job_env(),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "label_efficiency" and list(out["by_labels"]) == ["1"] and out["seeds"] == 2
+    row = out["by_labels"]["1"]
+    assert all(0.0 <= row[k] <= 1.0 for k in ("pretrained", "scratch", "unet")) and row["se"] is not None
+    assert abs(row["diff"] - (row["pretrained"] - row[row["better_scratch"]])) < 2e-4  # paired means: linear
+    assert row[row["better_scratch"]] == max(row["scratch"], row["unet"])
+    assert "3D U-Net from scratch" in r.stdout
