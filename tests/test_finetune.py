@@ -48,6 +48,7 @@ def close(a, b, tol):
     return abs(a - b) <= tol * max(1.0, abs(b))
 
 
+@pytest.mark.slow
 def test_cp2_fine_tunes_as_one_rank(labelled, one_rank, tmp_path):
     out1, r1 = one_rank
     assert "fine-tuning: segment" in r1.stdout and "all visible, 2 classes of 'fault'" in r1.stdout
@@ -68,6 +69,7 @@ def test_cp2_fine_tunes_as_one_rank(labelled, one_rank, tmp_path):
         assert os.path.exists(out / "figures" / "segment_step_0000006.png")
 
 
+@pytest.mark.slow
 def test_stopped_and_resumed_fine_tuning_follows_the_uninterrupted_run(labelled, one_rank, tmp_path):
     out1, _ = one_rank
     out = tmp_path / "resumed"
@@ -80,6 +82,26 @@ def test_stopped_and_resumed_fine_tuning_follows_the_uninterrupted_run(labelled,
     assert close(val_records(out)[-1]["val_loss"], val_records(out1)[-1]["val_loss"], 1e-6)
 
 
+@pytest.mark.slow
+def test_every_strategy_fine_tunes_alike_with_layer_decay(labelled, tmp_path):
+    """zero2, zero3 and fsdp2 on 2 ranks, fine-tuning with layer_decay 0.75 (one optimizer group per encoder depth,
+    each with its lr_scale): the same losses and validation to 1e-4, as pretraining's strategies agree; and
+    layer_decay changes the run (the scaled lrs reach every strategy's optimizer)."""
+    logs = {}
+    for name, kw in (("zero2", {}), ("zero3", {"strategy": "zero3"}), ("fsdp2", {"strategy": "fsdp2"}),
+                     ("no_decay", {"layer_decay": 1.0})):
+        out = tmp_path / name
+        r = run_train(seg_args(labelled, out, **{"layer_decay": 0.75, **kw}), nproc=2)
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+        logs[name] = train_losses(out), val_records(out)
+    ref, ref_val = logs["zero2"]
+    for name in ("zero3", "fsdp2"):
+        losses, val = logs[name]
+        assert all(close(losses[s], ref[s], 1e-4) for s in ref), (name, losses, ref)
+        assert all(close(v["val_loss"], w["val_loss"], 1e-4) for v, w in zip(val, ref_val)), name
+    assert abs(logs["no_decay"][0][5] - ref[5]) > 1e-4 * ref[5]
+
+@pytest.mark.slow
 def test_starts_from_a_pretrained_model_file_and_its_out_dir_alike(labelled, tmp_path):
     pre = tmp_path / "pre"
     r = run_train(small_args(labelled, pre, max_steps=6))  # pretraining (task mae) on the same store
