@@ -27,7 +27,8 @@ a hang or the call's time limit loses that section only. Sections run most decis
   then, while time remains: memory (the planner's state terms against torch.cuda's allocator), bf16_strategies
   (zero2 vs fsdp2 on the same masks), batch_copy (pinned non-blocking vs pageable), compile (eager vs compiled
   steps, losses compared), stop_signal (SIGTERM, the stop flag read a step late, the relaunch), embed (scripts/embed.py
-  on the GPU against the CPU), elastic (a 2-CPU-rank checkpoint resumed on the GPU).
+  on the GPU against the CPU), segment (fine-tuning steps in bf16: falling losses, IoU and Dice), elastic (a
+  2-CPU-rank checkpoint resumed on the GPU).
 
 The sections: bench/gpu_attention.py (env .. attention_rates, and the helpers they share) and
 bench/gpu_training.py (bf16_step .. elastic); this file is the runner.
@@ -56,7 +57,7 @@ SECTIONS = [  # (name, seconds it may take on the GPU)
     ("env", 60), ("nccl", 60), ("self_p2p", 45), ("ops", 90), ("self_ring", 90), ("torch_cp", 60),
     ("big_blocks", 150), ("attention_rates", 120), ("bf16_step", 150),
     ("memory", 180), ("bf16_strategies", 150), ("batch_copy", 45), ("compile", 240), ("stop_signal", 180),
-    ("embed", 150), ("elastic", 180),
+    ("embed", 150), ("segment", 120), ("elastic", 180),
 ]
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")

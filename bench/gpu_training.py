@@ -186,6 +186,28 @@ def sec_embed(smoke, dev, out_dir, steps=None):
     return {"rel_err": err, "device_tokens_per_s": rates["device"], "cpu_tokens_per_s": rates["cpu"], "ok": err <= 1e-2}
 
 
+def sec_segment(smoke, dev, out_dir, steps=None):
+    """Fine-tuning on this device: the quickstart's store with its fault labels, task="segment" in bf16 under ZeRO-2
+    (every token through the encoder, no cls; the decoder blocks as the head; the labels as channel 1 of the pinned
+    batch). Pass: finite losses that fall, and a validation record with IoU and Dice for both classes."""
+    steps = steps or (6 if smoke else 30)
+    d = os.path.join(out_dir, "segment")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), os.path.join(HERE, "config/quickstart.py"),
+                        f"--data_paths=['{d}/qs.mdio']", "--make_synthetic=True", f"--max_steps={steps}",
+                        "--task=segment", "--dtype=bfloat16", "--log_interval=1", f"--eval_interval={steps}",
+                        f"--out_dir={d}/run", "--figures=False"]
+                       + (["--synthetic_shape=(32,32,128)", "--val_frac=0.5"] if smoke else []),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = [json.loads(x) for x in open(f"{d}/run/log.jsonl")]
+    losses = [x["loss"] for x in log if "loss" in x]
+    val = [x for x in log if "val_iou" in x]
+    ok = (all(np.isfinite(losses)) and np.mean(losses[-3:]) < np.mean(losses[:3]) and len(val) == 2
+          and all(len(v["val_iou"]) == len(v["val_dice"]) == 2 for v in val))
+    print(f"fine-tuning on {dev.type}, bf16: loss {losses[0]:.4f} -> {losses[-1]:.4f}; validation {val[-1]}")
+    return {"first_loss": losses[0], "last_loss": losses[-1], "val": val[-1], "ok": bool(ok)}
+
+
 def sec_elastic(smoke, dev, out_dir, steps=None):
     """Elastic resume onto this device: a bf16 ZeRO-2 quickstart run on 2 CPU ranks (gloo) checkpoints at steps/2;
     a copy goes on on one device with the same global batch (micro_batch 16 = 2 x 8) through DeepSpeed's

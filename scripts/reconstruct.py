@@ -82,6 +82,10 @@ def main(argv):
     if meta.get("encoder_only"):
         raise configurator.ConfigError(f"{a.model} holds the encoder only: it cannot reconstruct. Export without "
                                        f"--encoder_only (python -m scripts.export OUT_DIR)")
+    if meta["config"].get("task", "mae") != "mae":
+        raise configurator.ConfigError(f"{a.model} is a fine-tuned segmenter (task={meta['config']['task']!r}): it "
+                                       f"predicts classes, not voxels; its figures are the run's own "
+                                       f"(figures/segment_step_N.png). Reconstruct with the pretrained model")
     cfg = dict(meta["config"])
     cfg["patch"], cfg["crop"] = tuple(cfg["patch"]), tuple(cfg["crop"])
     patch = cli.triple(a.patch, "patch")
