@@ -190,3 +190,16 @@ def test_the_label_efficiency_table_runs_small():
     assert abs(row["diff"] - (row["pretrained"] - row[row["better_scratch"]])) < 2e-4  # paired means: linear
     assert row[row["better_scratch"]] == max(row["scratch"], row["unet"])
     assert "3D U-Net from scratch" in r.stdout
+
+
+def test_the_quickstart_store_keeps_its_amplitude_and_carries_its_fault_labels(tmp_path):
+    """ensure_synthetic (make_synthetic): the amplitude is synthetic_volume's, bit for bit (the quickstart's data did
+    not change), and `fault` beside it is that volume's own fault mask."""
+    from infra import reader
+    shape = (48, 32, 64)
+    path = synthetic.ensure_synthetic(str(tmp_path / "qs.mdio"), shape, seed=3, chunks=(16, 16, 32))
+    vol, mask, _ = synthetic.synthetic_volume(shape, seed=3, labels=True)
+    assert np.array_equal(synthetic.synthetic_volume(shape, seed=3), vol, equal_nan=True)
+    v = reader.Volume(path)
+    assert np.array_equal(v.read((0, 0, 0), shape, normalize=False), vol, equal_nan=True)
+    assert np.array_equal(v.variable("fault").read((0, 0, 0), shape, normalize=False), mask.astype(np.float32))
