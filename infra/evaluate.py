@@ -43,6 +43,21 @@ def assignment(n, dp_rank, dp_size, micro_batch):
     return [items[k:k + micro_batch] for k in range(0, per, micro_batch)]
 
 
+def reduce_and_gather(tensors, parts, cp, want_slices):
+    """Sum each of `tensors` over the world, in place, and bring the centre-slice pieces of dp group 0's cp ranks
+    (global ranks 0..cp-1) to rank 0: only the slices travel. Returns the joined slices there (want_slices), else
+    None."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return join_parts([parts]) if want_slices else None
+    for t in tensors:
+        dist.all_reduce(t)
+    if not want_slices:
+        return None
+    got = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(parts, got, dst=0)
+    return join_parts(got[:cp]) if dist.get_rank() == 0 else None
+
+
 @torch.no_grad()
 def run(forward, model, sampler, seed, n, device, dtype, micro_batch, cp_rank=0, cp=1, dp_rank=0, dp_size=1,
         want_slices=False):
@@ -71,16 +86,7 @@ def run(forward, model, sampler, seed, n, device, dtype, micro_batch, cp_rank=0,
             views, Z_loc = voxel_views(model, x, pred, mask), x.shape[2]
             parts = centre_parts(*views, cp_rank * Z_loc, cp * Z_loc)
             del views
-    slices = None
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sums)
-        if want_slices:  # only the slices travel, from the cp ranks of dp group 0 (global ranks 0..cp-1)
-            got = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-            dist.gather_object(parts, got, dst=0)
-            if dist.get_rank() == 0:
-                slices = join_parts(got[:cp])
-    elif want_slices:
-        slices = join_parts([parts])
+    slices = reduce_and_gather([sums], parts, cp, want_slices)
     per_sample = sums.tolist()
     return sum(per_sample) / n, per_sample, slices
 
@@ -114,19 +120,10 @@ def run_segment(forward, model, sampler, n, device, dtype, micro_batch, cp_rank=
             g = [s // q for s, q in zip(x.shape[2:], model.patch)]
             vox = M.unpatchify(pred[:1, :, :, None].float(), model.patch, g)[0, 0]  # (Z_loc, Y, X) classes
             parts = centre_parts(x[0, 0], vox, x[0, 1], cp_rank * x.shape[2], cp * x.shape[2])
-    slices = None
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sums)
-        dist.all_reduce(counts)
-        if want_slices:
-            got = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-            dist.gather_object(parts, got, dst=0)
-            if dist.get_rank() == 0:
-                slices = join_parts(got[:cp])
-    elif want_slices:
-        slices = join_parts([parts])
+    slices = reduce_and_gather([sums, counts], parts, cp, want_slices)
     tp, fp, fn = counts.sum(0).unbind(-1)  # (C,) each
-    scores = {"iou": (tp / (tp + fp + fn).clamp(min=1)).tolist(), "dice": (2 * tp / (2 * tp + fp + fn).clamp(min=1)).tolist()}
+    scores = {"iou": (tp / (tp + fp + fn).clamp(min=1)).tolist(),
+              "dice": (2 * tp / (2 * tp + fp + fn).clamp(min=1)).tolist()}
     return float(sums.mean()), scores, slices
 
 
