@@ -157,9 +157,11 @@ def faultseg_volume(shape, seed=0, dt=0.004, half_width=FAULT_HALF_WIDTH, snr_db
         for k in range(3):
             x[k] = x[k] - hanging * throw * f["down"][k]
     i, j, t = x
-    bumps = sum(rng.uniform(-1, 1) * rng.uniform(4, 12) *
-                np.exp(-((i - rng.uniform(0, ni)) ** 2 + (j - rng.uniform(0, nx)) ** 2) / (2 * (rng.uniform(0.1, 0.3) * size) ** 2))
-                for _ in range(rng.integers(4, 9)))
+    bumps = 0  # the folds: Gaussian bumps over (inline, crossline), scaled with depth below
+    for _ in range(rng.integers(4, 9)):
+        height = rng.uniform(-1, 1) * rng.uniform(4, 12)
+        ci, cj, width = rng.uniform(0, ni), rng.uniform(0, nx), rng.uniform(0.1, 0.3) * size
+        bumps = bumps + height * np.exp(-((i - ci) ** 2 + (j - cj) ** 2) / (2 * width ** 2))
     s1 = rng.uniform(0, 5) + 1.5 * t / nt * bumps
     s2 = rng.uniform(0, 5) + rng.uniform(-0.15, 0.15) * i + rng.uniform(-0.15, 0.15) * j
     tau = t + s1 + s2 + 2 * nt  # reference time, kept inside the series below
