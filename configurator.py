@@ -27,7 +27,8 @@ data_paths = ["data/quickstart.mdio"]  # MDIO v1/v0 stores or 3D Zarr arrays (lo
 #                                        patterns (s3://bucket/library/*.mdio) and @manifests (python -m scripts.library index)
 sample_weighting = "volume"  # volume: a store drawn by its live voxels | uniform | manifest (each line's "weight")
 max_open_stores = 64  # stores kept open per rank (least recently used closed first): flat memory for any library
-make_synthetic = False  # create a synthetic volume at data_paths[0] if it does not exist (quickstart)
+make_synthetic = False  # create a synthetic volume at data_paths[0] if it does not exist (quickstart); a local
+#                          path only: a remote one (s3://) must hold the store, it is never written to
 synthetic_shape = (128, 128, 256)  # (inline, crossline, time) of that synthetic volume
 synthetic_chunks = (64, 64, 64)  # its Zarr chunks
 # data streaming (infra/reader.py, data.py)
@@ -90,6 +91,8 @@ allow_batch_change = False  # resume with another global batch: the stream goes 
 init_from = ""  # a new run starts from these weights (scripts/export.py's model file, or an out_dir): warm start, step 0
 ckpt_write_gbps = 2.0  # out_dir's write bandwidth, GB/s: the planner's checkpoint time (and stop_lead_s's)
 stop_step = 0  # > 0: stop after this step as if interrupted (checkpoint, exit); tests use it
+lease_stale = 10.0  # out_dir's lease (infra/lease.py) is stale after this many times the gap between its refreshes
+lease_min_s = 300.0  # ... and never sooner than this (start-up, a long evaluation); a dead holder on this host: at once
 seed = 0  # data, mask and init randomness
 gpu_peak_flops = 989e12  # dense bf16 FLOP/s of one GPU for MFU (H100/H200 SXM)
 # the cluster (launch.sh and the planner read these)

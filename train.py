@@ -32,7 +32,7 @@ import torch
 import configurator
 import data
 import ring_attention
-from infra import checkpoint, distributed, dryrun, evaluate, modelfile, strategies
+from infra import checkpoint, distributed, dryrun, evaluate, lease, modelfile, plan, strategies
 from infra.cli import run as run_cli
 from infra.stop import RESUMABLE, StopRequest, write_stopped
 from model import MODELS, build_model, token_grid
@@ -87,6 +87,7 @@ def check_config(cfg):
     need(cfg["sample_weighting"] in ("volume", "uniform", "manifest"),
          f"sample_weighting must be 'volume', 'uniform' or 'manifest', got {cfg['sample_weighting']!r}")
     need(cfg["ckpt_write_gbps"] > 0 and cfg["stop_lead_s"] >= 0, "ckpt_write_gbps must be > 0 and stop_lead_s >= 0")
+    need(cfg["lease_stale"] > 0 and cfg["lease_min_s"] >= 0, "lease_stale must be > 0 and lease_min_s >= 0")
     need(cfg["read_threads"] >= 0, f"read_threads must be >= 0 (0: one per CPU of this rank), got {cfg['read_threads']}")
     for key in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval", "keep_ckpts", "in_flight",
                 "prefetch", "zero_bucket", "zero3_max_live", "max_open_stores"):
@@ -162,6 +163,8 @@ class Job:
     n_params: int = 0
     engine: object = None  # strategies.build: forward, backward, step, save/load for every strategy
     optimizer: torch.optim.Optimizer = None
+    lease: object = None  # lease.Lease: rank 0's hold on out_dir (infra/lease.py); None on the other ranks
+    ckpt_bytes: int = 0  # the planner's size of one checkpoint: the room save() asks the file system for
 
     @property
     def on_gpu(self):
@@ -180,6 +183,14 @@ def setup(cfg):
     global_batch = cfg["micro_batch"] * cfg["grad_accum"] * dp_size
     job = Job(cfg, rank, world, device, dtype, cfg["cp"], cp_rank, dp_rank, dp_size, cp_group, global_batch,
               peak_lr=cfg["blr"] * global_batch / 256, log=print if rank == 0 else (lambda *a, **k: None))
+    # ---- one run per out_dir, before anything is written there: rank 0 takes its lease (or takes over a stale one),
+    # and a live one held by another run is refused on every rank (infra/lease.py). The planner's step, evaluation and
+    # checkpoint times let another run judge this lease stale from another host before any step is logged.
+    p = plan.plan(cfg, world, gpus_per_node=max(1, world // cfg["nodes"]))
+    job.ckpt_bytes = int(p["ckpt_bytes"])
+    held = distributed.on_rank_0(lambda: lease.acquire(cfg, job.log, cfg["log_interval"] * p["step_s"] + p["eval_s"]
+                                                       + p["ckpt_s"], p["eval_s"] + p["ckpt_s"]))
+    job.lease = held if rank == 0 else None
     # ---- data: the training stream and the held-out one (data.samplers)
     job.sampler, job.val_sampler, job.stores_digest = data.samplers(cfg, cp_rank, dp_rank, dp_size, job.log)
     # ---- model. Same init on every rank (seeded), as data parallelism requires.
@@ -309,9 +320,12 @@ class RunLog:
     def line(self, step, lr):
         """The log line: loss, speed (samples/s, tokens/s, MFU on a GPU), data rate and wait, peak memory, over
         the steps since the last line. (step_s in log.jsonl is host time: on a GPU, without a sync per step, the
-        time to queue the step's work. This line spans a read-back, a sync, so it is the device's time too.)"""
+        time to queue the step's work. This line spans a read-back, a sync, so it is the device's time too.)
+        Also the lease's refresh: out_dir is still this run's."""
         job, cfg = self.job, self.job.cfg
         loss = self.read_back()
+        if job.lease:
+            job.lease.refresh()
         dt = (time.time() - self.t_last) / self.since
         sps = job.global_batch / dt
         flops = job.model.flops_per_sample() * sps  # achieved FLOP/s, whole job
@@ -342,6 +356,8 @@ class RunLog:
             self.tb.flush()
         self.eval_s += time.time() - t0
         self.t_last += time.time() - t0  # the next log line's ms/step and samples/s are training's alone
+        if self.job.lease:
+            self.job.lease.refresh()
 
     def close(self):
         if self.tb:
@@ -364,7 +380,16 @@ def main(argv, stop=None):
     if cfg["dry_run"]:
         return dryrun.check_launch(cfg)
     job = setup(cfg)
-    model, log = job.model, job.log
+    try:
+        return run(job, stop)
+    finally:  # the run is over on rank 0 (done, stopped, or failed here): out_dir is free for the next one
+        if job.lease:
+            job.lease.release()
+
+
+def run(job, stop):
+    """Resume, then the loop with its evaluations, checkpoints and stop signals. Returns the exit code."""
+    cfg, model, log = job.cfg, job.model, job.log
     seen = (f"{model.n_keep()} visible (mask ratio {1 - model.n_keep() / model.L:.4f} realised, {cfg['mask_ratio']} "
             f"asked)" if cfg["task"] == "mae" else f"all visible, {cfg['classes']} classes of {cfg['label_var']!r}")
     log(f"model {cfg['model_size']}{' (fine-tuning: segment)' if cfg['task'] == 'segment' else ''}: "
@@ -452,9 +477,13 @@ def main(argv, stop=None):
 def save(job, ckpt_dir, done):
     """The checkpoint of the weights after `done` steps, with what a resume needs (infra/checkpoint.py)."""
     n_seen = job.sampler.offset + done * job.global_batch  # (offset: see data.Sampler)
+    if job.lease:  # never write (nor rotate) checkpoints in an out_dir that another run has taken over
+        job.lease.refresh()
     checkpoint.save(job.engine, ckpt_dir, done, {"step": done, "config": job.cfg, "dtype": str(job.dtype),
                                                  "samples_seen": n_seen, "stores": job.stores_digest},
-                    job.cfg["keep_ckpts"], job.rank)
+                    job.cfg["keep_ckpts"], job.rank, job.ckpt_bytes)
+    if job.lease:
+        job.lease.refresh()
     job.log(f"checkpoint step_{done:07d} written to {ckpt_dir}")
 
 

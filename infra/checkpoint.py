@@ -1,7 +1,7 @@
 """
 Checkpoints: save, find and resume, for every strategy (train.py's engines: DeepSpeed ZeRO-2/3, FSDP2).
 
-    save(engine, ckpt_dir, step, client_state, keep, rank)   all ranks; COMPLETE written last
+    save(engine, ckpt_dir, step, client_state, keep, rank, need_bytes)   all ranks; COMPLETE written last
     complete_checkpoints(ckpt_dir)                          [(step, tag)] that resume may take
     resume(engine, cfg, ckpt_dir, world, dtype, log)        load the newest complete one: (its step, samples seen),
                                                             (0, 0) for none, or (None, None) if the run is done
@@ -19,6 +19,17 @@ by W ranks is converted once, by DeepSpeed's own ds_to_universal, into a univers
 parameter: fp32 weight, exp_avg, exp_avg_sq, step) inside the checkpoint, step_N/universal/, which any number of
 ranks loads (DeepSpeed's load_universal). A changed global batch is refused unless allow_batch_change=True: then the
 data stream continues at the next unseen sample (samples_seen, kept in every checkpoint).
+
+A full disk is an error, not damage: a checkpoint the file system cannot take (no space, over quota, read-only) stops
+the run with StorageError, one line naming out_dir, the cause and the bytes a checkpoint needs, after the partial step
+directory is removed (it holds space the operator needs back); every older complete checkpoint stays. Before writing,
+every rank asks the file system for the room (the planner's checkpoint size) and they agree on the answer, so the
+common case fails before a byte is written; a write that fails anyway (someone else filled the disk meanwhile) is
+recognised by its error or, where torch's writer hides the errno ("unexpected pos ..."), by the file system's state.
+
+Loading under ZeRO-3 runs collectives (the weights are gathered inside DeepSpeed's load), so a rank whose load fails
+must not leave the others waiting in one: before any rank loads, each reads (unpickles, memory-mapped) the files it is
+about to load, and all agree on the outcome; a rank that fails makes all of them fall back to the checkpoint before.
 
 Stop signals become a checkpoint of this kind: stop.py.
 """
@@ -72,47 +83,132 @@ def fsync_tree(path):
         fsync_dir(root)
 
 
-def save(engine, ckpt_dir, step, client_state, keep, rank):
+class StorageError(OSError):
+    """The file system refused a checkpoint (no space, over quota, read-only): not damage, and not a bug. agreed: every
+    rank raises it (found before the write), so rank 0 alone needs to say it."""
+    agreed = False
+
+
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def free_bytes(path):
+    """(bytes free to this user, read-only?) of the file system holding `path` (or its nearest existing parent)."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path) or "."
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize, bool(st.f_flag & os.ST_RDONLY)
+
+
+def room(ckpt_dir, need_bytes):
+    """save()'s question before it writes: None if ckpt_dir's file system can take a checkpoint of need_bytes (and
+    is writable), else why not."""
+    return _lack_of_room(ckpt_dir, need_bytes)
+
+
+def _lack_of_room(ckpt_dir, need_bytes):
+    free, read_only = free_bytes(ckpt_dir)
+    if read_only:
+        return os.strerror(errno.EROFS)
+    if free < need_bytes:
+        return f"{os.strerror(errno.ENOSPC)}: {free / 1e9:.3f} GB free"
+    return None
+
+
+def storage_cause(exc, ckpt_dir, need_bytes):
+    """Why a failed write is the file system's doing (a str), or None (another failure: a bug, a lost peer). The errno
+    where the error carries one; torch's zip writer loses it ("unexpected pos ..."), so then the file system itself
+    is asked, while the partial checkpoint still holds its space."""
+    e = exc
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+            return os.strerror(e.errno)
+        e = e.__cause__ or e.__context__
+    text = str(exc)
+    for code in STORAGE_ERRNOS:
+        if os.strerror(code) in text:
+            return os.strerror(code)
+    return _lack_of_room(ckpt_dir, need_bytes)
+
+
+def _storage_error(ckpt_dir, tag, why, need_bytes, written):
+    what = "its partial directory was removed" if written else "nothing of it was written"
+    return StorageError(
+        f"checkpoint {tag} cannot be written to {ckpt_dir}: {why}. A checkpoint needs about {need_bytes / 1e9:.3f} GB "
+        f"(the planner's size: fp32 weights and AdamW's two moments); {what}, and every older complete checkpoint is "
+        f"kept: free space (or raise the quota, or point out_dir at writable storage with room), then run the same "
+        f"command again to resume")
+
+
+def save(engine, ckpt_dir, step, client_state, keep, rank, need_bytes=0):
+    """All ranks: write checkpoint step_{step} (see the top of this file). need_bytes: the room to ask for first."""
     import torch.distributed as dist
     tag = f"step_{step:07d}"
     path = os.path.join(ckpt_dir, tag)
     if (step, tag) in complete_checkpoints(ckpt_dir):
         return  # already saved (a resumed run that had nothing left to do): never rewrite a good one
-    # never save non-finite weights: check on every rank, agree on the answer. The flag is built on the device
-    # (a bool per parameter read on the host would sync once per parameter); the .item() below is the one sync
+    # never save non-finite weights, nor start a checkpoint the file system has no room for: each rank checks, all
+    # agree on the answers (one MIN all-reduce). The finite flag is built on the device (a bool per parameter read on
+    # the host would sync once per parameter); the .item() below is the one sync
     device = next(engine.module.parameters()).device  # NCCL reduces only CUDA tensors
-    finite = torch.ones(1, device=device)
+    flags = torch.ones(2, device=device)  # [every weight finite, room for the checkpoint]
     for p in local_params(engine):
-        finite.mul_(torch.isfinite(p).all())
-    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-    if finite.item() < 1:
+        flags[0].mul_(torch.isfinite(p).all())
+    no_room = room(ckpt_dir, need_bytes)
+    if no_room:
+        flags[1] = 0.0
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    finite, roomy = flags.tolist()
+    if finite < 1:
         raise FloatingPointError(f"weights are non-finite after step {step}: checkpoint {tag} NOT written; "
                                  f"the newest good one is kept. Lower blr or raise warmup_steps.")
-    if rank == 0 and os.path.isdir(path):
-        shutil.rmtree(path)  # a leftover of a write that died before it completed
+    if roomy < 1:
+        e = _storage_error(ckpt_dir, tag, no_room or "no room on another rank's view of it", need_bytes, False)
+        e.agreed = True
+        raise e
+    try:
+        if rank == 0 and os.path.isdir(path):
+            shutil.rmtree(path)  # a leftover of a write that died before it completed
+        dist.barrier()
+        engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
+        dist.barrier()  # every rank has written its shard
+        # ... and the shards are on disk before COMPLETE says so: a crash or power loss right after the marker must
+        # not leave it pointing at data still in a page cache. One rank per node flushes every file (on a shared
+        # file system each node's client flushes what that node wrote; locally one flush covers all ranks).
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            fsync_tree(path)
+        dist.barrier()
+        if rank == 0:
+            _mark_complete(ckpt_dir, tag, step, client_state, keep)
+    except Exception as e:
+        why = storage_cause(e, ckpt_dir, need_bytes)
+        if why is None:
+            raise
+        # this rank cannot finish the write. Its peers may be waiting in a barrier it will never reach: it stops the
+        # run (the launcher ends the others), after removing the partial directory, which holds space the operator
+        # needs back. It has no COMPLETE marker, so nothing would ever resume from it.
+        if not os.path.exists(os.path.join(path, "COMPLETE")):
+            shutil.rmtree(path, ignore_errors=True)
+        raise _storage_error(ckpt_dir, tag, why, need_bytes, True) from None
     dist.barrier()
-    engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
-    dist.barrier()  # every rank has written its shard
-    # ... and the shards are on disk before COMPLETE says so: a crash or power loss right after the marker must
-    # not leave it pointing at data still in a page cache. One rank per node flushes every file (on a shared
-    # file system each node's client flushes what that node wrote; locally one flush covers all ranks).
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        fsync_tree(path)
-    dist.barrier()
-    if rank == 0:
-        meta = {"step": step, "world": dist.get_world_size(), "dtype": client_state.get("dtype"),
-                "config": client_state["config"], "stores": client_state.get("stores")}
-        with open(os.path.join(path, "COMPLETE.tmp"), "w") as f:
-            json.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(path, "COMPLETE.tmp"), os.path.join(path, "COMPLETE"))
-        fsync_dir(path)  # the rename itself
-        fsync_dir(ckpt_dir)  # and the checkpoint's own entry, before older checkpoints are deleted
-        done = complete_checkpoints(ckpt_dir)
-        for _, old in done[:-keep]:
-            shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
-    dist.barrier()
+
+
+def _mark_complete(ckpt_dir, tag, step, client_state, keep):
+    """Rank 0, once every shard is on disk: the COMPLETE marker (atomically), then the rotation of older ones."""
+    import torch.distributed as dist
+    path = os.path.join(ckpt_dir, tag)
+    meta = {"step": step, "world": dist.get_world_size(), "dtype": client_state.get("dtype"),
+            "config": client_state["config"], "stores": client_state.get("stores")}
+    with open(os.path.join(path, "COMPLETE.tmp"), "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(path, "COMPLETE.tmp"), os.path.join(path, "COMPLETE"))
+    fsync_dir(path)  # the rename itself
+    fsync_dir(ckpt_dir)  # and the checkpoint's own entry, before older checkpoints are deleted
+    done = complete_checkpoints(ckpt_dir)
+    for _, old in done[:-keep]:
+        shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
 
 
 def local_params(engine):
@@ -202,8 +298,11 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
     if universal:
         log(f"resuming {ckpt_dir}/{tag} (written by {meta['world']} rank{'s' * (meta['world'] != 1)}) on {world} "
             f"rank{'s' * (world != 1)} through its universal checkpoint")
-    why, client = (why, None) if why else _load(engine, cfg, ckpt_dir, tag, universal, log)
+    if not why and not universal:  # each rank reads the files it is about to load; all agree before any loads
+        why = unloadable_own_files(os.path.join(ckpt_dir, tag), dist.get_rank())
     ok = _agreed(engine, why)
+    why, client = (why, None) if not ok else _load(engine, cfg, ckpt_dir, tag, universal, log)
+    ok = ok and _agreed(engine, why)
     if not ok and universal:  # the conversion is derived data: one that does not load (damaged since) is made again
         if dist.get_rank() == 0:
             log(f"the universal checkpoint of {ckpt_dir}/{tag} does not load ({why or 'on another rank'}): "
@@ -289,16 +388,16 @@ def to_universal(ckpt_dir, tag, log):
         log(f"converting {src} to a universal checkpoint (DeepSpeed's ds_to_universal), once")
         t0 = time.time()
         workers = max(1, min(8, os.cpu_count() or 1))  # processes that read the ranks' shards side by side
-        r = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src,
-                            "--output_folder", tmp, "--inject_missing_state", "--num_extract_workers", str(workers),
-                            "--num_merge_workers", str(max(1, workers // 2))], capture_output=True, text=True)
-        if r.returncode != 0:
-            lines = [x for x in (r.stderr + r.stdout).splitlines() if x.strip()]
+        rc, tail = _run_showing_progress(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src, "--output_folder",
+             tmp, "--inject_missing_state", "--num_extract_workers", str(workers), "--num_merge_workers",
+             str(max(1, workers // 2))])
+        if rc != 0:
             raise configurator.ConfigError(
-                f"DeepSpeed's ds_to_universal could not convert {src} (exit {r.returncode}: "
-                f"{lines[-1] if lines else 'no output'}). The checkpoint's own files are untouched; they may be "
-                f"damaged in a way the file check before loading cannot see, or this DeepSpeed may not read them: "
-                f"resume it on the number of ranks that wrote it, or move it aside to resume from the one before")
+                f"DeepSpeed's ds_to_universal could not convert {src} (exit {rc}: {tail or 'no output'}). The "
+                f"checkpoint's own files are untouched; they may be damaged in a way the file check before loading "
+                f"cannot see, or this DeepSpeed may not read them: resume it on the number of ranks that wrote it, or "
+                f"move it aside to resume from the one before")
         if os.path.exists(os.path.join(src, "latest_universal")):
             os.remove(os.path.join(src, "latest_universal"))  # the converter's pointer for its own loader: unused
         shutil.rmtree(out, ignore_errors=True)  # one without COMPLETE (a partial copy): the rename needs the name
@@ -313,6 +412,35 @@ def to_universal(ckpt_dir, tag, log):
 
     on_rank_0(convert)
     return out
+
+
+def _run_showing_progress(cmd):
+    """Run DeepSpeed's converter (minutes for a large model), its progress shown: its tqdm bars (stderr) pass through
+    to ours as they come, on a terminal as they are, elsewhere one line per redraw and at most one every 30 s
+    (tqdm's own TQDM_MININTERVAL; MAE_PROGRESS_EVERY_S as in infra/progress.py), so that a log shows it alive
+    without thousands of half-lines. Its stdout is kept for the error. Returns (exit code, its last non-empty line)."""
+    import collections
+    import threading
+    tty = sys.stderr.isatty()
+    env = dict(os.environ)
+    if not tty:
+        env.setdefault("TQDM_MININTERVAL", os.environ.get("MAE_PROGRESS_EVERY_S", "30"))
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    tail = collections.deque(maxlen=64)  # the last chunks of its stderr, for the error message
+
+    def relay():
+        while chunk := p.stderr.read1(65536):
+            tail.append(chunk)
+            sys.stderr.buffer.write(chunk if tty else chunk.replace(b"\r", b"\n"))
+            sys.stderr.buffer.flush()
+    t = threading.Thread(target=relay, daemon=True)
+    t.start()
+    out = p.stdout.read()
+    rc = p.wait()
+    t.join()
+    text = (b"".join(tail) + out).decode(errors="replace").replace("\r", "\n")
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    return rc, lines[-1] if lines else ""
 
 
 def _repair_zero3_universal_load(engine, folder):
@@ -378,6 +506,22 @@ def check_compatible(meta, cfg, world, dtype, where):
                if old % (world // cfg["cp"]) == 0 else
                f"no micro_batch x grad_accum gives {old} on dp {world // cfg['cp']}")
             + f", or set allow_batch_change=True to go on with batch {new} from the next unseen sample")
+
+
+def unloadable_own_files(path, rank):
+    """Why this rank could not load the checkpoint files it is about to load (its own shards and the ones every rank
+    reads), or None. Each is unpickled memory-mapped (the tensors' bytes are not read): what raises here is what would
+    raise inside the engine's load, where under ZeRO-3 the other ranks would already wait in its collectives.
+      DeepSpeed ZeRO-2:  mp_rank_00_model_states.pt (every rank), zero_pp_rank_R_mp_rank_00_optim_states.pt (rank R)
+      DeepSpeed ZeRO-3:  zero_pp_rank_R_mp_rank_00_model_states.pt and ..._optim_states.pt (rank R)
+      FSDP2 (DCP):       its load is collective itself (a failing rank's error reaches every rank): nothing here."""
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".pt") and (name == "mp_rank_00_model_states.pt" or f"zero_pp_rank_{rank}_" in name):
+            try:
+                torch.load(os.path.join(path, name), map_location="cpu", weights_only=False, mmap=True)
+            except Exception as e:
+                return f"{name}: " + " ".join(f"{type(e).__name__}: {e}".split())[:200]
+    return None
 
 
 def unreadable_files(path):

@@ -6,8 +6,10 @@ How every command ends: the project's own errors as one `error:` line and an exi
 A command's (inline, crossline, time) options are read by triple().
 
 Exit codes: 0 done; 2 bad input (configurator.ConfigError, reader.DataError, a ring that disagrees with
-PyTorch's: ring_attention.CPMismatchError); 3 a diverged run (FloatingPointError); train.py's stopped-at-a-
-checkpoint code (stop.RESUMABLE, 75) passes through. Under torchrun only rank 0 prints the line (every rank
+PyTorch's: ring_attention.CPMismatchError; another live run in out_dir: lease.LeaseHeld); 3 a diverged run
+(FloatingPointError); 4 the run's surroundings refused it (checkpoint.StorageError: no space, over quota, read-only;
+lease.LeaseLost: another run took out_dir over); train.py's stopped-at-a-checkpoint code (stop.RESUMABLE, 75)
+passes through. Under torchrun only rank 0 prints the line (every rank
 would say the same). Under launch.sh (MAE_ERROR_FILE set) every failing rank also appends its first line to
 that file, so that launch.sh ends with the first rank's reason rather than with torchrun's traceback; a bug
 (any other exception) is noted there too and then raised, traceback and all.
@@ -18,10 +20,13 @@ import sys
 import torch
 
 from configurator import ConfigError
+from infra.checkpoint import StorageError
+from infra.lease import LeaseLost
 from infra.reader import DataError
 from ring_attention import CPMismatchError
 
 BAD_INPUT = (ConfigError, DataError, CPMismatchError)
+REFUSED = (StorageError, LeaseLost)  # not the input, not a bug: the disk, or another run
 
 
 def triple(text, what, least=1):
@@ -52,11 +57,11 @@ def run(main, argv):
     rank = os.environ.get("RANK", "0")
     try:
         rc = main(argv)
-    except BAD_INPUT + (FloatingPointError,) as e:  # bad input or a diverged run: nothing is half-written
-        if rank == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+    except BAD_INPUT + REFUSED + (FloatingPointError,) as e:  # nothing is half-written: one line says why
+        if rank == "0" or (isinstance(e, REFUSED) and not getattr(e, "agreed", False)):  # (one rank's alone)
+            print(f"error: {e}" if rank == "0" else f"error: (rank {rank}) {e}", file=sys.stderr, flush=True)
         note_error(f"error: {e}" if rank == "0" else f"error: (rank {rank}) {e}")
-        rc = 3 if isinstance(e, FloatingPointError) else 2
+        rc = 3 if isinstance(e, FloatingPointError) else 4 if isinstance(e, REFUSED) else 2
     except Exception as e:  # a bug, or a failure of a peer: the traceback follows; launch.sh names the first
         note_error(f"error: (rank {rank}) {type(e).__name__}: {' '.join(str(e).split())[:300]}")
         raise

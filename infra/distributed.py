@@ -4,6 +4,7 @@ groups, and work that rank 0 does for everyone.
 
     free_port()               a free TCP port on this machine (a world of 1, a test's rendezvous)
     init()                    torch.distributed started for this process -> (rank, world, device)
+    die_with_launcher()       under torchrun: this rank ends as soon as its torchrun is gone (init calls it)
     cp_groups(cp)             (cp_rank, dp_rank, dp_size, cp_group): ranks [i*cp, (i+1)*cp) share sample stream i
     on_rank_0(work)           work() on rank 0, the others waiting; its result on every rank
 
@@ -12,7 +13,10 @@ whichever of them runs: torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or a world of
 """
 import datetime
 import os
+import signal
 import socket
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -38,11 +42,37 @@ def init():
     elif os.environ.get("DS_ACCELERATOR") == "cpu":
         del os.environ["DS_ACCELERATOR"]  # inherited from a CPU machine (a login node): wrong here
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # (torchrun sets it for the ranks it starts)
+        die_with_launcher()
     if on_gpu:
         torch.cuda.set_device(local)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if on_gpu else "gloo")
     return rank, world, torch.device("cuda", local) if on_gpu else torch.device("cpu")
+
+
+def die_with_launcher(poll_s=0.5):
+    """Under torchrun: end this rank (SIGKILL, no checkpoint) as soon as its parent, torchrun, is gone.
+    torchrun starts each rank in a session of its own, so a `kill -9` of launch.sh's process group, an OOM kill of
+    torchrun or a dropped ssh session ends torchrun alone, and without this its ranks would train on unseen: holding
+    the GPUs, writing checkpoints, and making the relaunch a second run in the same out_dir. A thread watches the
+    parent pid (when the parent dies the rank is handed to init or a subreaper: getppid changes). Nothing is saved:
+    COMPLETE markers keep what is on disk safe, and rank 0's death makes out_dir's lease stale at once on this host.
+    (prctl's PR_SET_PDEATHSIG would be instant, but it fires when the *thread* that started the rank ends, and
+    torchrun's threads are its own business.)"""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        try:  # (stderr may be a pipe whose reader was the launcher: a write can fail, the kill must not)
+            os.write(2, f"rank {os.environ.get('RANK', '?')}: its launcher (torchrun, pid {parent}) is gone: "
+                        f"stopping now, without a checkpoint\n".encode())
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die_with_launcher", daemon=True).start()
 
 
 def cp_groups(cp):

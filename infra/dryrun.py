@@ -1,10 +1,10 @@
 """
 The dry run (DRY_RUN=1 bash launch.sh CONFIG, or train.py --dry_run=True): every check that needs neither GPUs nor
-data, before paying for the cluster. The world size for the configured nodes x gpus_per_node, the SLURM
-allocation, the checkpoint a relaunch would resume from (or the init_from weights) against this config, the
-batch arithmetic, and the planner's verdict (infra/plan.py): memory per GPU, the least activation checkpointing that
-fits, samples/s, the stop lead SLURM's warning needs. Prints LAUNCH lines that launch.sh reads; a config that
-cannot run is a ConfigError (exit 2), the last thing the user sees.
+data, before paying for the cluster. Another live run in out_dir (its lease), the world size for the configured
+nodes x gpus_per_node, the SLURM allocation, the checkpoint a relaunch would resume from (or the init_from weights)
+against this config, the batch arithmetic, and the planner's verdict (infra/plan.py): memory per GPU, the least
+activation checkpointing that fits, samples/s, the stop lead SLURM's warning needs. Prints LAUNCH lines that
+launch.sh reads; a config that cannot run is a ConfigError (exit 2), the last thing the user sees.
 """
 
 import json
@@ -12,12 +12,8 @@ import os
 
 import torch
 
-from infra import checkpoint
-
-from infra import stop
 import configurator
-from infra import modelfile
-from infra import plan
+from infra import checkpoint, lease, modelfile, plan, stop
 
 
 def check_launch(cfg):
@@ -27,6 +23,7 @@ def check_launch(cfg):
     world, cp = cfg["nodes"] * gpn, cfg["cp"]
     print(f"LAUNCH nodes={cfg['nodes']} gpus_per_node={gpn} world={world} config_gpus={cfg['gpus_per_node']}")
     print(f"LAUNCH_OUT_DIR={cfg['out_dir']}")  # where launch.sh looks for STOPPED after the ranks exit
+    lease.check(cfg)  # another live run in out_dir: refused here, before torchrun starts a rank (and again in them)
     allocated = os.environ.get("SLURM_JOB_NUM_NODES")
     if allocated and cfg["nodes"] > int(allocated):
         raise configurator.ConfigError(f"the config asks for nodes={cfg['nodes']} but this SLURM allocation has "

@@ -381,7 +381,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             "fits": bool(fits), "limit_gb": round(limit, 1),
             "step_s": step_s, "flop_bound_s_per_step": per_step * t["flop"],
             "attention_s_per_step": per_step * t["attention"], "other_s_per_step": per_step * t["other"],
-            "eval_s": eval_s, "ckpt_gb": round(ckpt_bytes / 1e9, 2), "ckpt_s": ckpt_s,
+            "eval_s": eval_s, "ckpt_gb": round(ckpt_bytes / 1e9, 2), "ckpt_bytes": ckpt_bytes, "ckpt_s": ckpt_s,
             "stop_lead_s": stop_lead}
 
 

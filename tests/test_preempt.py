@@ -1,8 +1,12 @@
 """Stop signals (infra/stop.py's StopRequest, launch.sh): SIGTERM or SIGUSR1 mid-run becomes a complete checkpoint at
 the step where the run stopped and exit code 75; the relaunch continues on the uninterrupted run's trajectory.
-And when ranks fail, launch.sh's last line is the first rank's `error:` line."""
+When ranks fail, launch.sh's last line is the first rank's `error:` line. And the launches an operator gets wrong: a
+second launch into a running out_dir is refused (its lease, infra/lease.py); a `kill -9` of the launcher takes its
+ranks with it, and the relaunch takes over the stale lease and resumes."""
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,10 +55,10 @@ def same_trajectory(reference, out_dir):
         assert abs(val[k] - ref_val[k]) <= 1e-6 * abs(ref_val[k]), (k, val, ref_val)
 
 
-def run_until_steps(store, out_dir, n):
+def run_until_steps(store, out_dir, n, **kw):
     """Start `bash launch.sh` (own session, output in out_dir.log) and return it once log.jsonl has n steps."""
     out = open(f"{out_dir}.log", "w")
-    p = subprocess.Popen(["bash", "launch.sh", *launch_args(store, out_dir)], cwd=ROOT, env=launch_env(),
+    p = subprocess.Popen(["bash", "launch.sh", *launch_args(store, out_dir, **kw)], cwd=ROOT, env=launch_env(),
                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 180
     while time.time() < deadline and p.poll() is None:
@@ -147,3 +151,61 @@ def test_a_rank_failing_after_the_pre_flight_ends_launch_sh_with_its_error_line(
     assert "Traceback" in r.stderr or "FAILED" in r.stderr or "error:" in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "nowhere.mdio" in last, r.stderr[-3000:]
+
+
+def test_a_second_launch_into_a_running_out_dir_is_refused_and_the_first_runs_on_undisturbed(
+        small_store, tmp_path, reference):
+    """While a run trains (its processes paused, so that it is certainly still running when the others try), a second
+    `bash launch.sh` into its out_dir is refused by the dry run, before torchrun starts: exit 2, the last line names
+    the holder. A torchrun started by hand is refused by its ranks the same way. The first run then finishes on the
+    trajectory of a run alone (1e-6), each step logged once, and releases the lease."""
+    d = tmp_path / "run"
+    p = run_until_steps(small_store, d, 5)
+    holder = json.loads((d / "LEASE").read_text())
+    paused = [pid for pid in job_processes(d) if pid != p.pid]  # torchrun and its ranks
+    for pid in paused:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        r = subprocess.run(["bash", "launch.sh", *launch_args(small_store, d)], cwd=ROOT, env=launch_env(),
+                           capture_output=True, text=True, timeout=120)
+        by_hand = run_train(launch_args(small_store, d), nproc=2, timeout=120)
+    finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+    held = f"error: out_dir {d} is in use by another run (pid {holder['pid']} on {socket.gethostname()}, started "
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(held), r.stderr[-3000:]
+    assert "local mode" not in r.stderr  # (launch.sh's line as it starts torchrun)
+    assert by_hand.returncode != 0 and held in by_hand.stderr, by_hand.stderr[-3000:]
+    assert p.wait(timeout=300) == 0, open(f"{d}.log").read()[-3000:]
+    same_trajectory(reference, d)
+    steps = [x["step"] for x in read_log(d)]
+    assert steps == list(range(ARGS["max_steps"])), steps  # nobody else wrote to its log
+    assert not (d / "LEASE").exists()
+
+
+def test_a_kill_9_of_the_launcher_takes_its_ranks_and_the_relaunch_takes_over_and_resumes(
+        small_store, tmp_path, reference):
+    """kill -9 of launch.sh's process group (launch.sh and torchrun; the ranks are in sessions of their own) after the
+    step-10 checkpoint: the ranks are gone within seconds (no step after the kill is logged), the lease is left
+    behind, stale; the same command again takes it over, resumes from step 10 and ends on the uninterrupted
+    trajectory."""
+    d = tmp_path / "run"
+    p = run_until_steps(small_store, d, 14, ckpt_interval=10)
+    pids = job_processes(d)
+    assert p.pid in pids and len(pids) >= 4, pids  # launch.sh, torchrun, 2 ranks
+    os.killpg(p.pid, signal.SIGKILL)
+    deadline = time.time() + 10
+    while time.time() < deadline and job_processes(d):
+        time.sleep(0.1)
+    assert not job_processes(d), f"ranks outlived their launcher: {job_processes(d)}"
+    logged = len(read_log(d))
+    time.sleep(1)
+    assert len(read_log(d)) == logged  # nothing trains on unseen
+    assert (d / "LEASE").exists()  # never released: stale, its holder's process gone
+    r = subprocess.run(["bash", "launch.sh", *launch_args(small_store, d, ckpt_interval=10)], cwd=ROOT,
+                       env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"took over the stale lease on {d}" in r.stdout and "on this host is gone" in r.stdout, r.stdout[-3000:]
+    assert f"resumed from {d}/ckpt/step_0000010 (step 10)" in r.stdout, r.stdout[-3000:]
+    same_trajectory(reference, d)
+    assert not (d / "LEASE").exists()

@@ -9,6 +9,8 @@ MAE_FAULT=signal_in_checkpoint:STEP:RANK:SIG   that rank sends itself SIG (TERM,
 MAE_FAULT=die_in_conversion             rank 0 dies (exit 17) once DeepSpeed's ds_to_universal has written the whole
                                         universal checkpoint into universal.tmp/, before it is flushed, marked and
                                         renamed: a crash in the middle of an elastic resume's conversion.
+MAE_FAULT=no_room_check                  save() does not ask the file system for room first: a disk that fills during
+                                        the write itself (someone else's files) is what the run meets.
 MAE_FAULT=nan_in_padding                after setup, the padding at the end of every ZeRO-3 partition (and of its fp32
                                         master) is set to NaN: what torch.empty may leave there. It is no weight.
 MAE_SAMPLES=DIR                         every training micro batch read appends its global sample ids to
@@ -57,6 +59,9 @@ if fault[0] in ("die_in_checkpoint", "signal_in_checkpoint"):
         job.engine.save_checkpoint = save_checkpoint
         return job
     train.setup = setup
+
+if fault[0] == "no_room_check":
+    checkpoint.room = lambda ckpt_dir, need_bytes: None
 
 if fault[0] == "nan_in_padding":
     real_setup_p = train.setup

@@ -1,0 +1,262 @@
+"""What operators of a cluster meet: out_dir's lease (one run per out_dir; a stale lease taken over), a full disk during
+a checkpoint write (a clear error, no partial step, the relaunch resumes), and a checkpoint load that fails on one rank
+only (every rank falls back together: no hang). The launcher-level tests of the lease (two launches, kill -9 of the
+launcher) are in test_preempt.py, beside the other launch.sh stop tests."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+
+import pytest
+
+import configurator
+from infra import checkpoint, lease
+from conftest import ROOT, job_env, read_log, read_val, run_train, small_args
+
+# -----------------------------------------------------------------------------
+# the lease's rules, on its own (infra/lease.py)
+
+
+def cfg_for(out_dir, **kw):
+    cfg = configurator.defaults()
+    cfg.update(out_dir=str(out_dir), **kw)
+    return cfg
+
+
+def acquire_elsewhere(out_dir, what="acquire(cfg, print)"):
+    """lease.acquire (or another call of infra/lease.py) in another process on this host: (exit code, its output).
+    Exit 0: it took the lease and left it (a process that has exited is gone: its lease is then stale here)."""
+    code = ("import sys; from infra import lease, cli; import configurator\n"
+            f"cfg = configurator.defaults(); cfg.update(out_dir={str(out_dir)!r})\n"
+            f"sys.exit(cli.run(lambda a: lease.{what} and 0, []))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=job_env(), capture_output=True, text=True)
+    return r.returncode, r.stdout + r.stderr
+
+
+def write_lease(out_dir, age_s=0.0, **holder):
+    """A lease as another run would have left it: {host, pid, ...}, last refreshed age_s seconds ago."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, lease.NAME)
+    me = {"host": "another-host", "pid": 1, "pid_start": None, "slurm_job_id": "", "started": time.time() - age_s,
+          "id": "theirs", "log_interval": 10, "gap_s": 0.0, "eval_ckpt_s": 0.0, **holder}
+    with open(path, "w") as f:
+        json.dump(me, f)
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return path
+
+
+def holder_of(out_dir):
+    with open(os.path.join(out_dir, lease.NAME)) as f:
+        return json.load(f)
+
+
+def test_a_live_lease_is_refused_and_a_dead_holders_is_taken_over(tmp_path):
+    """This process holds the lease: another process is refused, naming this one. Released, the other takes it; once
+    that process has exited (its pid gone on this host), this one takes it over at once, with a warning."""
+    cfg, said = cfg_for(tmp_path), []
+    mine = lease.acquire(cfg, said.append)
+    assert holder_of(tmp_path)["pid"] == os.getpid() and not said
+    rc, out = acquire_elsewhere(tmp_path)
+    assert rc == 2 and f"is in use by another run (pid {os.getpid()} on {socket.gethostname()}" in out, out
+    assert out.strip().splitlines()[-1].startswith("error: ")
+    rc, out = acquire_elsewhere(tmp_path, "check(cfg)")  # the dry run's check says the same
+    assert rc == 2 and "is in use by another run" in out, out
+    mine.release()
+    assert not os.path.exists(tmp_path / lease.NAME)
+    rc, out = acquire_elsewhere(tmp_path)
+    assert rc == 0, out
+    dead = holder_of(tmp_path)["pid"]  # that process has exited: its lease stays, stale
+    lease.check(cfg)
+    again = lease.acquire(cfg, said.append)
+    assert said and f"took over the stale lease on {tmp_path} (pid {dead} on" in said[0], said
+    assert f"its process {dead} on this host is gone" in said[0]
+    again.refresh()
+    again.release()
+
+
+def test_another_hosts_lease_is_live_until_it_is_not_refreshed_for_lease_stale_times_its_step_time(tmp_path):
+    """A holder on another host (its process unseen): live while refreshed; stale after lease_stale x (log_interval
+    steps at the step time measured last), never sooner than lease_min_s. The measured step time (log.jsonl) sets the
+    limit: with 10 s steps and 10 of them between two refreshes, 15 min without one is still live."""
+    cfg = cfg_for(tmp_path, lease_stale=10.0, lease_min_s=60.0)
+    write_lease(tmp_path, age_s=30)
+    with pytest.raises(lease.LeaseHeld, match="another-host"):
+        lease.acquire(cfg, print)
+    write_lease(tmp_path, age_s=120)  # older than lease_min_s, nothing measured: stale
+    said = []
+    lease.acquire(cfg, said.append).release()
+    assert "not refreshed for 120 s (stale after 60 s)" in said[0], said
+    with open(tmp_path / "log.jsonl", "w") as f:  # 10 s steps, 10 per refresh: stale after 10 x 100 s
+        for i in range(20):
+            f.write(json.dumps({"step": i, "loss": 1.0, "lr": 1e-3, "step_s": 10.0, "wait_s": 0.0}) + "\n")
+    write_lease(tmp_path, age_s=900)
+    with pytest.raises(lease.LeaseHeld):
+        lease.acquire(cfg, print)
+    write_lease(tmp_path, age_s=900, log_interval=1)  # its refreshes come every step: stale after 10 x 10 s
+    said = []
+    lease.acquire(cfg, said.append).release()
+    assert "not refreshed for 900 s (stale after 100 s)" in said[0], said
+
+
+def test_a_requeued_slurm_job_takes_over_its_own_earlier_lease(tmp_path, monkeypatch):
+    """The same SLURM job id (a requeue, HyperPod's auto-resume of the step): the earlier incarnation is over."""
+    cfg = cfg_for(tmp_path)
+    write_lease(tmp_path, slurm_job_id="4242")
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    with pytest.raises(lease.LeaseHeld, match="SLURM job 4242"):
+        lease.acquire(cfg, print)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    said = []
+    lease.acquire(cfg, said.append).release()
+    assert "earlier incarnation of this SLURM job 4242" in said[0], said
+
+
+def test_two_runs_taking_over_one_stale_lease_one_wins(tmp_path):
+    """Both find the same stale lease: the takeover claim (create-exclusive) lets one through; the other is refused.
+    A claim left by a run that died taking over (older than a minute) is cleared and the takeover goes on."""
+    cfg = cfg_for(tmp_path, lease_min_s=10.0)
+    path = write_lease(tmp_path, age_s=600)
+    claim = f"{path}.takeover.theirs"
+    open(claim, "w").close()  # the other run's claim, just made
+    with pytest.raises(lease.LeaseHeld, match="is taking over"):
+        lease.acquire(cfg, print)
+    os.utime(claim, (time.time() - 120, time.time() - 120))  # ... and left by a run that died
+    won = lease.acquire(cfg, print)
+    assert holder_of(tmp_path)["id"] == won.me["id"] and not os.path.exists(claim)
+    won.release()
+
+
+def test_a_run_whose_lease_was_taken_over_stops_at_its_next_refresh(tmp_path):
+    """Judged stale while it was stuck, the run learns it at its next refresh (a log line, a checkpoint): LeaseLost,
+    and its release leaves the new holder's lease alone."""
+    cfg = cfg_for(tmp_path)
+    mine = lease.acquire(cfg, print)
+    write_lease(tmp_path, age_s=0)  # the other run's, over ours
+    with pytest.raises(lease.LeaseLost, match="taken over by another run"):
+        mine.refresh()
+    mine.release()
+    assert holder_of(tmp_path)["id"] == "theirs"
+
+
+# -----------------------------------------------------------------------------
+# a full disk during a checkpoint write
+
+ARGS = dict(max_steps=6, ckpt_interval=2, keep_ckpts=2, eval_interval=2)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(small_store, tmp_path_factory):
+    """The 2-rank run with room: its training records and validation losses."""
+    d = tmp_path_factory.mktemp("with_room")
+    r = run_train(small_args(small_store, d, **ARGS), nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return read_log(d), dict(read_val(d))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of 14 MB (a checkpoint of these runs is about 9 MB): room for one checkpoint, not two."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("where", ["before the write", "during the write"])
+def test_a_full_disk_is_one_clear_error_and_the_relaunch_with_room_follows_the_uninterrupted_run(
+        small_store, small_disk, uninterrupted, where):
+    """The checkpoint at step 4 does not fit next to step 2's. Before the write: the ranks ask the file system for the
+    planner's checkpoint size and agree it is not there. During the write (the question skipped, as when someone
+    else fills the disk meanwhile): the write itself fails, torch's error hiding the errno. Either way: exit 4, the last
+    line names out_dir, the cause and the bytes needed, no partial step_4 is left, step 2 is intact; after the disk
+    grows, the same command resumes from step 2 and ends on the uninterrupted trajectory."""
+    d = small_disk / "run"
+    env = job_env(MAE_FAULT="no_room_check") if where == "during the write" else job_env()
+    r = run_train(small_args(small_store, d, **ARGS), nproc=2, script="tests/train_hooks.py", env=env, timeout=300)
+    assert r.returncode != 0, r.stdout[-2000:]
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert errors and all("checkpoint step_0000004 cannot be written to" in x for x in errors), r.stderr[-3000:]
+    first = errors[0]
+    assert f"{d}/ckpt" in first and "No space left on device" in first and "needs about 0.0" in first, first
+    assert ("nothing of it was written" if where == "before the write" else "partial directory was removed") in first
+    if where == "before the write":
+        assert r.stderr.strip().splitlines()[-1].startswith("error:") or "exitcode  : 4" in r.stderr
+    steps = sorted(x for x in os.listdir(d / "ckpt") if x.startswith("step_"))  # (DeepSpeed's own files beside)
+    assert steps == ["step_0000002"], steps  # no partial step_4
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(d / "ckpt"))] == [2]
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    rest = run_train(small_args(small_store, d, **ARGS), nproc=2, timeout=300)
+    assert rest.returncode == 0 and "(step 2)" in rest.stdout, rest.stderr[-3000:]
+    ref_log, ref_val = uninterrupted
+    got = {x["step"]: x for x in read_log(d)}  # (steps 2, 3 logged twice: the last record is the resumed run's)
+    assert sorted(got) == [x["step"] for x in ref_log]
+    for a in ref_log:
+        assert abs(got[a["step"]]["loss"] - a["loss"]) <= 1e-6 * abs(a["loss"]), (a, got[a["step"]])
+    val = dict(read_val(d))
+    assert all(abs(val[k] - v) <= 1e-6 * abs(v) for k, v in ref_val.items()), (val, ref_val)
+
+
+def test_a_read_only_checkpoint_directory_is_the_same_clear_error(tmp_path):
+    """A read-only file system (EROFS) is named as such by the question save() asks first."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        assert checkpoint.room(str(mnt / "ckpt"), 10) == "Read-only file system"
+        assert checkpoint.room(str(tmp_path), 10) is None
+        assert "No space left on device" in checkpoint.room(str(tmp_path), 10 ** 18)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# -----------------------------------------------------------------------------
+# a checkpoint that fails to load on one rank only
+
+
+def spoil_pickle(path):
+    """Damage a torch.save archive so that it still passes the cheap file check (a zip with its directory: the same
+    size, the same entries) but no longer unpickles: every byte of its data.pkl zeroed in place."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        f.write(b"\0" * info.compress_size)
+    assert zipfile.is_zipfile(path) and not checkpoint.unreadable_files(os.path.dirname(path))
+
+
+@pytest.mark.parametrize("strategy,shard", [("zero3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                            ("zero2", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                            ("fsdp2", "__1_0.distcp")])
+def test_a_load_that_fails_on_one_rank_only_makes_every_rank_fall_back(small_store, tmp_path, strategy, shard):
+    """Rank 1's own shard of step 4 is damaged in a way rank 0's cheap file check cannot see. Under ZeRO-3 the ranks
+    whose load succeeds would go on into the collectives inside DeepSpeed's load and wait there for rank 1 forever
+    (the timeout catches that); instead every rank reads its own files first and all agree: they fall back to step 2
+    together, and the run finishes."""
+    args = dict(max_steps=5, ckpt_interval=2, strategy=strategy)
+    first = run_train(small_args(small_store, tmp_path, stop_step=4, **args), nproc=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    f = tmp_path / "ckpt" / "step_0000004" / shard
+    if shard.endswith(".pt"):
+        spoil_pickle(f)
+    else:  # a DCP shard of the same length, its bytes gone: DCP's collective load fails on the rank that reads it
+        f.write_bytes(b"\0" * f.stat().st_size)
+        assert not checkpoint.unreadable_files(str(f.parent))
+    rest = run_train(small_args(small_store, tmp_path, **args), nproc=2, timeout=240)
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    said = next(x for x in rest.stdout.splitlines() if "step_0000004 is marked complete but does not load" in x)
+    assert "does not load: rank " in said and "rank 1: " in said, said
+    assert "(step 2)" in rest.stdout
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "ckpt"))] == [4, 5]
+    assert (tmp_path / "ckpt" / "damaged_step_0000004" / shard).exists()
