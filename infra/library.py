@@ -16,6 +16,7 @@ once) and hands the records to every rank.
 """
 import json
 
+from infra.progress import Progress
 from infra.reader import DataError, ReadOptions, Volume, storage_options
 
 
@@ -115,6 +116,10 @@ def index(entries, opts=None, out=None, in_flight=16, log=None, extra=None):
     # `in_flight` stores opened at once need 4 x in_flight request places, not in_flight
     opening = opts.with_in_flight(4 * max(1, in_flight))
 
+    # thousands of stores take minutes: a count and an ETA on stderr (infra/progress.py; rank 0's, as train.py
+    # indexes data_paths on rank 0), the per-store lines still going to `log` as they were
+    bar = Progress(total=len(todo), desc="indexing", unit="store") if todo else None
+
     def one(url):
         r = {**Volume(url, opening).describe(), **(extra or {})}
         if f is not None:
@@ -122,7 +127,8 @@ def index(entries, opts=None, out=None, in_flight=16, log=None, extra=None):
                 f.write(json.dumps(r) + "\n")
                 f.flush()
         if log:
-            log(f"indexed {url}: {r['shape']} {r['format']}, live {r['live_fraction']:.2f}")
+            bar.write(f"indexed {url}: {r['shape']} {r['format']}, live {r['live_fraction']:.2f}", log)
+        bar.update()
         return r
     try:
         with ThreadPoolExecutor(max_workers=max(1, in_flight)) as pool:
@@ -130,6 +136,8 @@ def index(entries, opts=None, out=None, in_flight=16, log=None, extra=None):
     finally:
         if f is not None:
             f.close()
+        if bar is not None:
+            bar.close()
     for u in (x for x in items if isinstance(x, str)):  # stores indexed before: this call's split / weight too
         done[u] = {**done[u], **(extra or {})}
     if out is not None:

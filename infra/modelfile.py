@@ -38,6 +38,7 @@ import torch
 
 import configurator
 from infra import checkpoint, distributed
+from infra.progress import CountingWrites, Progress
 from model import build_model
 
 FORMAT, VERSION = "seismic-mae", 1
@@ -119,12 +120,16 @@ def part(key):
 
 def _zero_state_dict(ckpt_dir, tag):
     """ZeRO-2/3: DeepSpeed merges the fp32 partitions of every rank's optimizer file. Its progress talk goes to
-    stderr, so that our stdout carries only the file's path."""
+    stderr, so that our stdout carries only the file's path. lazy_mode: a ZeRO-3 weight comes back as DeepSpeed's
+    GatheredTensor, whose slices are read out of the memory-mapped files only when _own() asks for it, one weight
+    at a time in _read_checkpoint's loop, where the progress is shown (eagerly DeepSpeed gathers them all first,
+    silently: the long part of a large export). The same tensors either way; ZeRO-2's are views of the merged
+    vector in both modes."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # must precede `import deepspeed`
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     with contextlib.redirect_stdout(sys.stderr):
-        return get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=tag)
+        return get_fp32_state_dict_from_zero_checkpoint(ckpt_dir, tag=tag, lazy_mode=True)
 
 
 def _dcp_state_dict(path, template):
@@ -159,6 +164,8 @@ def _check_names(have, want, where):
 
 def _own(t):
     """An fp32 CPU tensor with a storage of its own (a view of DeepSpeed's flat vector would save the vector)."""
+    if not isinstance(t, torch.Tensor):  # DeepSpeed's lazy GatheredTensor (ZeRO-3): its slices gathered now
+        t = t.contiguous()
     t = t.detach().to("cpu").contiguous()  # DeepSpeed's come with requires_grad (views of the optimizer's params)
     return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
@@ -181,6 +188,20 @@ def _read_checkpoint(ckpt_dir, tag, meta):
     template = build_model(cfg, device="meta").state_dict()  # names and shapes only
     try:
         sd = _dcp_state_dict(path, template) if strategy == "fsdp2" else _zero_state_dict(ckpt_dir, tag)
+        _check_names(sd.keys(), template.keys(), path)
+        out = {}
+        # weight by weight (ZeRO-3's gathered out of the shards here: the files are read now, so this stays inside
+        # the reader's error handling), counted in bytes on stderr (infra/progress.py): a weight's size varies
+        # by thousands between a bias and a block's MLP, bytes give a true ETA
+        with Progress(total=sum(v.nbytes for v in template.values()), desc="export: reading weights", unit="B",
+                      unit_scale=True) as bar:
+            for k, v in template.items():
+                t = _own(sd.pop(k))  # pop: what is copied out can be freed
+                if t.dtype != torch.float32 or tuple(t.shape) != tuple(v.shape):
+                    raise configurator.ConfigError(f"{path}: weight {k} came back as {t.dtype} {tuple(t.shape)}, "
+                                                   f"the config's MAE has float32 {tuple(v.shape)}")
+                out[k] = t
+                bar.update(t.nbytes)
     except configurator.ConfigError:
         raise
     except (Exception, CheckpointException) as e:  # the unpickler, the zip reader, DCP: a damaged file, any way
@@ -191,14 +212,6 @@ def _read_checkpoint(ckpt_dir, tag, meta):
         msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
         raise configurator.ConfigError(f"cannot read checkpoint {path} ({strategy}): {msg} (a file missing or "
                                        f"damaged? export another one with --tag)") from None
-    _check_names(sd.keys(), template.keys(), path)
-    out = {}
-    for k, v in template.items():
-        t = _own(sd.pop(k))  # pop: what is copied out can be freed
-        if t.dtype != torch.float32 or tuple(t.shape) != tuple(v.shape):
-            raise configurator.ConfigError(f"{path}: weight {k} came back as {t.dtype} {tuple(t.shape)}, the "
-                                           f"config's MAE has float32 {tuple(v.shape)}")
-        out[k] = t
     return out, {**meta, "strategy": strategy}
 
 
@@ -230,8 +243,11 @@ def export(out_dir, tag=None, out=None, encoder_only=False):
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(out)}.tmp{os.getpid()}")  # hidden: no glob of *.pt finds it
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
+        # the other long part: writing the file (6.4 GB at 1.6 B parameters), counted in bytes as torch.save
+        # writes them, of the weights' bytes (the zip's headers come on top, a little per tensor)
+        with open(tmp, "wb") as f, Progress(total=sum(t.nbytes for t in sd.values()), desc="export: writing",
+                                            unit="B", unit_scale=True) as bar:
+            torch.save(obj, CountingWrites(f, bar))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)

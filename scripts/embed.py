@@ -42,6 +42,7 @@ import torch.distributed as dist
 import configurator
 from infra import cli, distributed, modelfile, reader
 from infra.features import BATCH_TOKENS, encode, plan_windows, prepare, token_coords
+from infra.progress import Progress
 from model import token_grid
 
 
@@ -157,34 +158,44 @@ def main(argv):
     async def listed():
         return {k async for k in store.list_prefix("embed_done/")}
     done = sync(listed())
+    left = sum(marker(x[0]) not in done for x in wins)  # the survey's windows still to do, every group's
     todo = [x for x in wins if x[0][0] % dp == dp_rank and marker(x[0]) not in done]
+    mine = len(todo)
     if a.stop_after:
         todo = todo[:a.stop_after]
     slab = w[0] // cp  # this rank's inline tokens of each window
     L_loc = slab * w[1] * w[2]
     batch = a.batch or max(1, BATCH_TOKENS // L_loc)
-    t0, n_tok = time.time(), 0
-    for k in range(0, len(todo), batch):
-        part = todo[k:k + batch]
-        # this rank's slab of each window: inline tokens [org0 + cp_rank * slab, + slab), read side by side
-        s0 = [org[0] + cp_rank * slab for _, org, _ in part]
-        xs = reader.read_crops([(vol, (s * patch[0], org[1] * patch[1], org[2] * patch[2]),
-                                 (slab * patch[0],) + crop[1:]) for s, (_, org, _) in zip(s0, part)])
-        x = torch.from_numpy(np.stack(xs))[:, None].to(device)  # (B, 1, slab * pz, Y, X), dead traces -> 0
-        z = encode(model, x, offset=cp_rank * L_loc)  # (B, slab, w1, w2, D)
-        for zb, s, (_, org, box) in zip(z, s0, part):
-            # the owned box, in this slab's token coordinates
-            lo = [max(box[0][0], s) - s, box[1][0] - org[1], box[2][0] - org[2]]
-            hi = [min(box[0][1], s + slab) - s, box[1][1] - org[1], box[2][1] - org[2]]
-            if hi[0] > lo[0]:
-                feats[s + lo[0]:s + hi[0], box[1][0]:box[1][1], box[2][0]:box[2][1]] = \
-                    zb[lo[0]:hi[0], lo[1]:hi[1], lo[2]:hi[2]].astype(a.dtype)
-        n_tok += len(part) * L_loc
-        if cp > 1:
-            dist.barrier(group=cp_group)  # every slab of these windows written before they are marked
-        if cp_rank == 0:
-            for idx, _, _ in part:
-                sync(store.set(marker(idx), proto.buffer.from_bytes(b"1")))
+    # progress (infra/progress.py, rank 0 shows it) in the whole survey's windows, those of an earlier run counted
+    # as done: rank 0 sees only its own group's, and stands for the others (the groups take rows in turn, so each
+    # has about as many to do: rank 0's fraction of its own is the survey's), with no collective to wait on
+    with Progress(total=len(wins), initial=len(wins) - left, desc="embedding", unit="window") as bar:
+        counted = 0
+        t0, n_tok = time.time(), 0
+        for k in range(0, len(todo), batch):
+            part = todo[k:k + batch]
+            # this rank's slab of each window: inline tokens [org0 + cp_rank * slab, + slab), read side by side
+            s0 = [org[0] + cp_rank * slab for _, org, _ in part]
+            xs = reader.read_crops([(vol, (s * patch[0], org[1] * patch[1], org[2] * patch[2]),
+                                     (slab * patch[0],) + crop[1:]) for s, (_, org, _) in zip(s0, part)])
+            x = torch.from_numpy(np.stack(xs))[:, None].to(device)  # (B, 1, slab * pz, Y, X), dead traces -> 0
+            z = encode(model, x, offset=cp_rank * L_loc)  # (B, slab, w1, w2, D)
+            for zb, s, (_, org, box) in zip(z, s0, part):
+                # the owned box, in this slab's token coordinates
+                lo = [max(box[0][0], s) - s, box[1][0] - org[1], box[2][0] - org[2]]
+                hi = [min(box[0][1], s + slab) - s, box[1][1] - org[1], box[2][1] - org[2]]
+                if hi[0] > lo[0]:
+                    feats[s + lo[0]:s + hi[0], box[1][0]:box[1][1], box[2][0]:box[2][1]] = \
+                        zb[lo[0]:hi[0], lo[1]:hi[1], lo[2]:hi[2]].astype(a.dtype)
+            n_tok += len(part) * L_loc
+            if cp > 1:
+                dist.barrier(group=cp_group)  # every slab of these windows written before they are marked
+            if cp_rank == 0:
+                for idx, _, _ in part:
+                    sync(store.set(marker(idx), proto.buffer.from_bytes(b"1")))
+            now = round((k + len(part)) / mine * left)
+            bar.update(now - counted)
+            counted = now
     if a.stop_after:
         print(f"rank {rank}: stopped after {len(todo)} windows (--stop_after)", flush=True)
         dist.destroy_process_group()

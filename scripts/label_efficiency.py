@@ -35,6 +35,7 @@ import configurator
 import data
 from infra import cli, modelfile, synthetic
 from infra.plan import table
+from infra.progress import Progress
 from model import seg_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -190,24 +191,29 @@ def main(argv):
     pre_file = modelfile.export(pre)  # once: every pretrained fine-tuning starts from this file
     peak = a.lr * 256 / a.batch  # blr of train.py's rule lr = blr x batch / 256
     results = {n: {k: [] for k in ("pretrained", "scratch", "unet")} for n in counts}
-    for n in counts:
-        for s in range(a.seeds):
-            seed = a.seed * 1000 + 17 * s + n
-            labelled = stores(root, f"labelled_s{s}", max(counts), shape, base + 2000 + 100 * s)[:n]
-            for kind, init in (("pretrained", pre_file), ("scratch", "")):
-                out = os.path.join(root, f"{kind}_n{n}_s{s}")
-                train_py([*common, "--task=segment", f"--data_paths={labelled}", f"--out_dir={out}",
-                          f"--max_steps={a.finetune_steps}", f"--blr={peak}", f"--warmup_steps={a.warmup}",
-                          f"--pos_weight={a.pos_weight}", f"--seed={seed}", f"--init_from={init}",
-                          "--weight_decay=0.05"], lambda line: None)
-                model, _ = modelfile.load(modelfile.export(out))
-                prob = np.stack([predict("vit", model, v, a.crop) for v, _, _ in test_vols])
-                results[n][kind].append(scores(prob, np.stack([f for _, f, _ in test_vols])))
-            net = train_unet(labelled, argparse.Namespace(**{**vars(a), "lr": a.lr}), seed)
-            prob = np.stack([predict("unet", net, v, a.crop) for v, _, _ in test_vols])
-            results[n]["unet"].append(scores(prob, np.stack([f for _, f, _ in test_vols])))
-            print(f"labels {n} seed {s}: " + ", ".join(f"{k} IoU {v[-1]['iou']:.3f}" for k, v in results[n].items()),
-                  flush=True)
+    # progress on stderr (infra/progress.py): the table's fine-tuning runs done, of label counts x seeds x the
+    # three kinds, and when the last will be (each run is minutes; the table, hours)
+    with Progress(total=len(counts) * a.seeds * 3, desc="fine-tuning runs", unit="run") as bar:
+        for n in counts:
+            for s in range(a.seeds):
+                seed = a.seed * 1000 + 17 * s + n
+                labelled = stores(root, f"labelled_s{s}", max(counts), shape, base + 2000 + 100 * s)[:n]
+                for kind, init in (("pretrained", pre_file), ("scratch", "")):
+                    out = os.path.join(root, f"{kind}_n{n}_s{s}")
+                    train_py([*common, "--task=segment", f"--data_paths={labelled}", f"--out_dir={out}",
+                              f"--max_steps={a.finetune_steps}", f"--blr={peak}", f"--warmup_steps={a.warmup}",
+                              f"--pos_weight={a.pos_weight}", f"--seed={seed}", f"--init_from={init}",
+                              "--weight_decay=0.05"], lambda line: None)
+                    model, _ = modelfile.load(modelfile.export(out))
+                    prob = np.stack([predict("vit", model, v, a.crop) for v, _, _ in test_vols])
+                    results[n][kind].append(scores(prob, np.stack([f for _, f, _ in test_vols])))
+                    bar.update()
+                net = train_unet(labelled, argparse.Namespace(**{**vars(a), "lr": a.lr}), seed)
+                prob = np.stack([predict("unet", net, v, a.crop) for v, _, _ in test_vols])
+                results[n]["unet"].append(scores(prob, np.stack([f for _, f, _ in test_vols])))
+                bar.update()
+                bar.write(f"labels {n} seed {s}: " + ", ".join(f"{k} IoU {v[-1]['iou']:.3f}"
+                                                                for k, v in results[n].items()))
     by_labels, rows = {}, []
     for n in counts:
         r = results[n]

@@ -35,6 +35,7 @@ import configurator
 from infra import cli, modelfile, synthetic
 from infra.features import features_of
 from infra.plan import table
+from infra.progress import Progress
 from model import build_model, patchify
 
 
@@ -48,8 +49,9 @@ def labelled_volumes(n, shape, n_faults, seed):
     return out
 
 
-def tokens_and_targets(model, vols, crop):
-    """(features (N, D), targets (N, P)): every token of every volume, its fault voxels in patch order."""
+def tokens_and_targets(model, vols, crop, tick=lambda: None):
+    """(features (N, D), targets (N, P)): every token of every volume, its fault voxels in patch order. tick():
+    called after each volume (the progress)."""
     stride = tuple(max(p, c // 2 // p * p) for c, p in zip(crop, model.patch))
     xs, ys = [], []
     for vol, mask in vols:
@@ -58,6 +60,7 @@ def tokens_and_targets(model, vols, crop):
         m = torch.from_numpy(mask[tuple(slice(0, g * p) for g, p in zip(grid, model.patch))].astype(np.float32))
         ys.append(patchify(m[None, None], model.patch)[0])  # (L, P), tokens in (inline, crossline, time) order
         xs.append(torch.from_numpy(f.reshape(-1, f.shape[-1])))
+        tick()
     return torch.cat(xs), torch.cat(ys)
 
 
@@ -66,9 +69,9 @@ def iou(pred, true):
     return inter / union if union else 1.0
 
 
-def fit_and_score(xtr, ytr, xte, yte, steps, seed):
+def fit_and_score(xtr, ytr, xte, yte, steps, seed, tick=lambda: None):
     """Train the linear head on (xtr, ytr), pick the threshold that maximises IoU there, return (test IoU,
-    train IoU, threshold)."""
+    train IoU, threshold). tick(): called after each step (the progress)."""
     torch.manual_seed(seed)
     mu, sd = xtr.mean(0), xtr.std(0) + 1e-6  # standardise the features (the head's scale-free)
     xtr, xte = (xtr - mu) / sd, (xte - mu) / sd
@@ -80,6 +83,7 @@ def fit_and_score(xtr, ytr, xte, yte, steps, seed):
         opt.zero_grad()
         loss_fn(head(xtr), ytr).backward()
         opt.step()
+        tick()
     with torch.no_grad():
         ptr, pte = torch.sigmoid(head(xtr)), torch.sigmoid(head(xte))
     best = max((iou(ptr > t, ytr > 0.5), t) for t in np.linspace(0.05, 0.95, 19))
@@ -112,16 +116,20 @@ def main(argv):
         raise configurator.ConfigError(f"--shape {shape} is smaller than the model's crop {crop}")
     scores = {"pretrained": [], "random": []}  # per repeat: (test IoU, train IoU, threshold)
     fraction = []
-    for r in range(a.repeats):
-        torch.manual_seed(a.seed + r)
-        random = build_model(cfg).eval()  # the same shape, the MAE's init, a new one each draw
-        vols = labelled_volumes(a.volumes, shape, a.n_faults, a.seed + r * a.volumes)
-        train, test = vols[:-a.test], vols[-a.test:]
-        fraction.append(float(np.mean([m.mean() for _, m in test])))
-        for name, model in (("pretrained", trained), ("random", random)):
-            xtr, ytr = tokens_and_targets(model, train, crop)
-            xte, yte = tokens_and_targets(model, test, crop)
-            scores[name].append(fit_and_score(xtr, ytr, xte, yte, a.steps, a.seed + r))
+    # progress on stderr (infra/progress.py): each volume through an encoder and each step of a head count one,
+    # over every draw and both encoders. A draw is the same work each time, so the average rate of whole draws
+    # gives a true ETA, however a volume's cost compares with a step's
+    with Progress(total=a.repeats * 2 * (a.volumes + a.steps), desc="probe", unit="step") as bar:
+        for r in range(a.repeats):
+            torch.manual_seed(a.seed + r)
+            random = build_model(cfg).eval()  # the same shape, the MAE's init, a new one each draw
+            vols = labelled_volumes(a.volumes, shape, a.n_faults, a.seed + r * a.volumes)
+            train, test = vols[:-a.test], vols[-a.test:]
+            fraction.append(float(np.mean([m.mean() for _, m in test])))
+            for name, model in (("pretrained", trained), ("random", random)):
+                xtr, ytr = tokens_and_targets(model, train, crop, bar.update)
+                xte, yte = tokens_and_targets(model, test, crop, bar.update)
+                scores[name].append(fit_and_score(xtr, ytr, xte, yte, a.steps, a.seed + r, bar.update))
     # paired: both encoders met the same volumes in each draw, so the draw-to-draw spread cancels in the difference
     te = {k: np.array([v[0] for v in vs]) for k, vs in scores.items()}
     diff = te["pretrained"] - te["random"]
