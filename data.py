@@ -306,21 +306,22 @@ class Prefetcher:
 
 def samplers(cfg, cp_rank, dp_rank, dp_size, log):
     """A run's samplers, on every rank: (training Sampler, held-out Sampler or None, the stores' digest). Rank 0
-    creates the quickstart's synthetic store (make_synthetic) and indexes data_paths and val_paths (globs expanded,
-    manifests read, plain URLs opened and described: infra/library.py) while the others wait; every rank gets the
-    records and opens a store only when a sample needs it. Held out: the val_paths stores and the manifests'
-    split="val" ones, or else the last val_frac of every training volume's inline axis."""
+    creates the quickstart's synthetic store (make_synthetic: at a local path only) and indexes data_paths and
+    val_paths (globs expanded, manifests read, plain URLs opened and described: infra/library.py) while the others
+    wait; every rank gets the records and opens a store only when a sample needs it. Held out: the val_paths stores
+    and the manifests' split="val" ones, or else the last val_frac of every training volume's inline axis."""
     import hashlib
     import json
     import time
 
     from infra import distributed, library, synthetic
-    if cfg["make_synthetic"] and torch.distributed.get_rank() == 0:
-        synthetic.ensure_synthetic(cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"],
-                                   chunks=cfg["synthetic_chunks"])
-    torch.distributed.barrier()
     opts = ReadOptions(in_flight=cfg["in_flight"], retries=cfg["read_retries"], timeout_s=cfg["read_timeout_s"],
                        anon=cfg["s3_anon"], endpoint_url=cfg["s3_endpoint"] or None, threads=cfg["read_threads"])
+    if cfg["make_synthetic"]:
+        # rank 0 writes the synthetic store while the others wait. Only to a local path: at a remote one it only
+        # looks, with these options (the run's endpoint), and a missing store is a ConfigError on every rank
+        distributed.on_rank_0(lambda: synthetic.ensure_synthetic(
+            cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"], chunks=cfg["synthetic_chunks"], opts=opts))
     t0 = time.time()
     stores, val_stores = distributed.on_rank_0(
         lambda: (library.index(cfg["data_paths"], opts, in_flight=cfg["in_flight"]),

@@ -1,10 +1,12 @@
 """A real S3 endpoint on loopback for tests and benchmarks: moto's ThreadedMotoServer (the convention of
 the s3fs and zarr test suites), and FaultProxy, an HTTP proxy in front of it that fails a chosen fraction
 of requests the ways S3 does: 503 SlowDown, a dropped connection, or a long delay."""
+import collections
 import http.client
 import http.server
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -51,6 +53,15 @@ class MotoS3:
                 c.upload_file(path, bucket, key)
         return f"s3://{bucket}/{prefix.rstrip('/')}"
 
+    def objects(self):
+        """{s3://bucket/key: bytes} of every object in every bucket: what all clients have written there."""
+        c, out = self.client(), {}
+        for b in c.list_buckets()["Buckets"]:
+            for page in c.get_paginator("list_objects_v2").paginate(Bucket=b["Name"]):
+                for o in page.get("Contents", []):
+                    out[f"s3://{b['Name']}/{o['Key']}"] = c.get_object(Bucket=b["Name"], Key=o["Key"])["Body"].read()
+        return out
+
     def stop(self):
         self.server.stop()
 
@@ -59,13 +70,17 @@ class FaultProxy:
     """HTTP proxy to `upstream` that, for GET requests, answers a fraction `fail` of them with a fault:
     503 SlowDown, a dropped connection (socket closed with no response), or a delay of `delay_s` before
     forwarding, in the proportions of `kinds`. Seeded: the same requests fail in the same way. Counts what
-    it did in .stats. forbid=True answers every request 403 AccessDenied (a bucket you may not read)."""
+    it did in .stats. forbid=True answers every request 403 AccessDenied (a bucket you may not read).
+    .signed_by counts the requests by the access key id that signed them (the Credential= of their SigV4
+    Authorization header; None: unsigned) and .tokens by their X-Amz-Security-Token (None: none): which
+    credentials a client really sent, without looking inside it."""
 
     def __init__(self, upstream_port, fail=0.1, kinds=("503", "drop", "delay"), delay_s=2.0, seed=0, forbid=False):
         self.upstream_port, self.fail, self.kinds, self.delay_s = upstream_port, fail, kinds, delay_s
         self.forbid = forbid
         self.rng, self.lock = random.Random(seed), threading.Lock()
         self.stats = {"requests": 0, "503": 0, "drop": 0, "delay": 0}
+        self.signed_by, self.tokens = collections.Counter(), collections.Counter()
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -79,8 +94,11 @@ class FaultProxy:
                 if "Content-Length" in self.headers:
                     body = self.rfile.read(int(self.headers["Content-Length"]))
                 fault = None
+                signer = re.search(r"Credential=([^/,\s]+)/", self.headers.get("Authorization", ""))
                 with proxy.lock:
                     proxy.stats["requests"] += 1
+                    proxy.signed_by[signer.group(1) if signer else None] += 1
+                    proxy.tokens[self.headers.get("X-Amz-Security-Token")] += 1
                     if self.command == "GET" and proxy.rng.random() < proxy.fail:
                         fault = proxy.rng.choice(proxy.kinds)
                         proxy.stats[fault] += 1
@@ -110,7 +128,9 @@ class FaultProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD's answer has no body but the length of the object it describes (what s3fs's info() reads)
+                self.send_header("Content-Length", resp.getheader("Content-Length", "0") if self.command == "HEAD"
+                                 else str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

@@ -7,7 +7,7 @@ A synthetic seismic volume and its MDIO store: the quickstart's data, and the te
   2. write_mdio()            writes a volume as a Zarr v3 store in the MDIO v1 layout, as the official
                              `multidimio` library does (group attrs, `amplitude` with dims
                              inline/crossline/time, `statsV1`, `trace_mask`, coordinate arrays)
-     ensure_synthetic()      the quickstart's store, written on first use
+     ensure_synthetic()      the quickstart's store, written on first use (to a local path only)
 
 infra/reader.py reads what this writes (and what multidimio writes: tests/test_mdio.py checks both).
 """
@@ -18,7 +18,8 @@ import os
 import numpy as np
 import zarr
 
-from infra.reader import DataError
+from configurator import ConfigError
+from infra.reader import DataError, ReadOptions, storage_options
 
 
 # -----------------------------------------------------------------------------
@@ -229,11 +230,38 @@ def write_mdio(path, vol, chunks=(64, 64, 64), first_inline=1, first_crossline=1
     return path
 
 
-def ensure_synthetic(path, shape, seed=0, chunks=(64, 64, 64)):
-    """Create the synthetic store at `path` unless it already exists (the quickstart calls this), with its fault
-    labels beside the amplitude (so that fine-tuning, task="segment", runs on it as it is)."""
-    if not os.path.exists(os.path.join(path, "zarr.json")):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+def ensure_synthetic(path, shape, seed=0, chunks=(64, 64, 64), opts=None):
+    """Create the synthetic store at `path` unless it already exists (make_synthetic: the quickstart calls this), with
+    its fault labels beside the amplitude (so that fine-tuning, task="segment", runs on it as it is).
+
+    Synthetic data is only ever written to a local path (or file://). At a remote one (s3://, gs://, any other URL)
+    nothing is written: the store is looked for there through fsspec with the options the reader will use (`opts`,
+    data.py's ReadOptions: endpoint, anonymous access, storage options); found, it is the data, as it is; missing,
+    a ConfigError says so and how to fix it. (It used to test os.path.exists on the URL, always False, and to write
+    its 16 MB of made-up volume there through AWS's default endpoint, whatever s3_endpoint said: on AWS, into the
+    user's bucket.)"""
+    local = path[len("file://"):] if path.startswith("file://") else path
+    if "://" in local:
+        if not _remote_store_exists(path, opts or ReadOptions()):
+            raise ConfigError(f"data path {path!r} holds no store, and make_synthetic=True writes its synthetic "
+                              f"volume only to a local path, never to a remote one: set data_paths to a local path "
+                              f"(as config/quickstart.py has it), set make_synthetic=False, or upload the store to "
+                              f"{path!r}")
+        return path
+    if not os.path.exists(os.path.join(local, "zarr.json")):
+        os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
         vol, fault, _ = synthetic_volume(shape, seed=seed, labels=True)
-        write_mdio(path, vol, chunks=chunks, fault=fault)
+        write_mdio(local, vol, chunks=chunks, fault=fault)
     return path
+
+
+def _remote_store_exists(url, opts):
+    """Whether a Zarr store (an MDIO v1 or v0 store, or a plain array) is at `url`: its root metadata object, looked
+    for with the reader's fsspec options. A failure to look (access denied, an endpoint that does not answer) counts
+    as there: the reader then opens it and names the real problem, and nothing is written either way."""
+    import fsspec
+    try:
+        fs, root = fsspec.url_to_fs(url, **storage_options(url, opts))
+        return any(fs.exists(f"{root.rstrip('/')}/{name}") for name in ("zarr.json", ".zgroup", ".zarray"))
+    except Exception:
+        return True

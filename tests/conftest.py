@@ -67,6 +67,17 @@ def small_store(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def s3(small_store):
+    """A real S3 endpoint on loopback (bench/s3_loopback.py: moto) holding small_store as s3://bkt/small.mdio (.url);
+    one per test module, so that what one module writes into its buckets no other module sees."""
+    from bench.s3_loopback import MotoS3
+    m = MotoS3()
+    m.url = m.upload_dir(small_store, "bkt", "small.mdio")
+    yield m
+    m.stop()
+
+
 def small_args(store, out_dir, **kw):
     """A fast config for CPU tests: 16 x 16 x 32 crops in 8^3 patches = 16 tokens, tiny model. Validation on:
     inlines 32..47 of the small store held out (val_frac 1/3), 3 samples (odd: 2 dp ranks get unequal shares),
@@ -97,10 +108,10 @@ def strategy_runs(small_store, tmp_path_factory):
     return out
 
 
-def launch_quickstart(*args, timeout=900):
+def launch_quickstart(*args, timeout=900, **extra_env):
     """bash launch.sh config/quickstart.py ARGS, as the README has it (the venv first on PATH; launch.sh splits the
-    cores between the ranks itself)."""
-    env = job_env(PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    cores between the ranks itself); extra_env: more environment for it (DRY_RUN="1", credentials)."""
+    env = job_env(PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **extra_env)
     env.pop("OMP_NUM_THREADS")
     return subprocess.run(["bash", "launch.sh", "config/quickstart.py", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)

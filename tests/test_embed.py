@@ -19,10 +19,10 @@ from conftest import ROOT, job_env
 pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
 
 
-def run_embed(args, nproc=1):
+def run_embed(args, nproc=1, env=None):
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1
            else [sys.executable]) + ["-m", "scripts.embed", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, env=env or job_env(), capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("grid,w,stride", [((6, 4, 8), (2, 2, 4), (1, 1, 2)), ((7, 5, 9), (3, 2, 4), (2, 2, 3)),

@@ -1,4 +1,5 @@
 """data.py against a real S3 HTTP endpoint on loopback (moto), with and without injected faults."""
+import json
 import time
 
 import numpy as np
@@ -8,15 +9,7 @@ import zarr
 import data
 from infra import reader
 from conftest import read_log, run_train, small_args, job_env
-from bench.s3_loopback import FaultProxy, MotoS3
-
-
-@pytest.fixture(scope="module")
-def s3(small_store):
-    m = MotoS3()
-    m.url = m.upload_dir(small_store, "bkt", "small.mdio")
-    yield m
-    m.stop()
+from bench.s3_loopback import FaultProxy
 
 
 CROPS = [((0, 0, 0), (32, 32, 64)), ((3, 5, 7), (20, 17, 40)), ((16, 0, 48), (16, 32, 16))]
@@ -143,6 +136,43 @@ def test_bad_s3_input_is_a_clear_error(s3, tmp_path):
         reader.Volume("s3://bkt/twod.zarr", opts)
     with pytest.raises(data.DataError, match="larger than the volume"):
         data.Sampler([s3.url], (16, 16, 128), opts=opts)
+
+
+def test_make_synthetic_never_writes_to_a_remote_path(s3, tmp_path):
+    """make_synthetic=True (config/quickstart.py) with an s3:// data path that holds no store: one error line naming
+    the path and the fix, exit code 2, and nothing written to any bucket (it used to write the synthetic volume to
+    the URL, through AWS's default endpoint whatever s3_endpoint said). The check goes to the run's endpoint: through
+    any other, the store could not be found missing, and the line would be another."""
+    before = s3.objects()
+    r = run_train(["config/quickstart.py", "--data_paths=['s3://bkt/missing.mdio']", f"--s3_endpoint={s3.endpoint}",
+                   f"--out_dir={tmp_path / 'out'}"])
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("error: data path 's3://bkt/missing.mdio' holds no store"), \
+        r.stderr[-3000:]
+    assert "only to a local path" in last and "make_synthetic=False" in last
+    # the same function, in this process: a bucket that does not exist is no place to write either
+    from configurator import ConfigError
+    from infra import synthetic
+    with pytest.raises(ConfigError, match="'s3://no-such-bucket/x.mdio' holds no store"):
+        synthetic.ensure_synthetic("s3://no-such-bucket/x.mdio", (16, 16, 32),
+                                   opts=reader.ReadOptions(endpoint_url=s3.endpoint))
+    assert s3.objects() == before
+    # file:// is a local path: the store is written there
+    synthetic.ensure_synthetic(f"file://{tmp_path / 'local.mdio'}", (16, 16, 32), chunks=(16, 16, 32))
+    assert reader.Volume(str(tmp_path / "local.mdio")).shape == (16, 16, 32)
+
+
+def test_make_synthetic_with_a_remote_store_there_trains_on_it_and_writes_nothing(s3, tmp_path):
+    """make_synthetic=True (config/quickstart.py) and an s3:// store that exists: it is the data, as it is; the run
+    trains and the buckets are unchanged."""
+    before = s3.objects()
+    out = tmp_path / "out"
+    r = run_train(["config/quickstart.py", *small_args(s3.url, out, s3_endpoint=s3.endpoint, max_steps=2)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["step"] for x in read_log(out)] == [0, 1]
+    with open(out / "ckpt" / "step_0000002" / "COMPLETE") as f:
+        assert json.load(f)["config"]["make_synthetic"] is True  # (the quickstart's, not overridden)
+    assert s3.objects() == before
 
 
 def test_aligned_crops_and_live_fraction(small_store):
