@@ -72,7 +72,9 @@ fi
 
 # ---- what the config asks for: train.py's dry run prints "LAUNCH nodes=N gpus_per_node=G world=W"
 if [ "$NGPU" -eq 0 ]; then export DS_ACCELERATOR=cpu; fi
-PLAN=$(NPROC=${NPROC:-2} "$PYTHON" train.py "$@" --dry_run=True 2>&1) || { echo "$PLAN" >&2; exit 2; }
+# (MAE_LAUNCH_NODE: on a node that launch.sh started, the job's own rank 0 may already hold out_dir's lease, which the
+# dry run checks on a user's launch: infra/lease.py)
+PLAN=$(NPROC=${NPROC:-2} MAE_LAUNCH_NODE=$NODE "$PYTHON" train.py "$@" --dry_run=True 2>&1) || { echo "$PLAN" >&2; exit 2; }
 NODES=$(echo "$PLAN" | sed -n 's/^LAUNCH nodes=\([0-9]*\).*/\1/p')
 GPN=$(echo "$PLAN" | sed -n 's/^LAUNCH .*gpus_per_node=\([0-9]*\).*/\1/p')
 CONFIG_GPUS=$(echo "$PLAN" | sed -n 's/^LAUNCH .*config_gpus=\([0-9]*\).*/\1/p')

@@ -23,7 +23,8 @@ def check_launch(cfg):
     world, cp = cfg["nodes"] * gpn, cfg["cp"]
     print(f"LAUNCH nodes={cfg['nodes']} gpus_per_node={gpn} world={world} config_gpus={cfg['gpus_per_node']}")
     print(f"LAUNCH_OUT_DIR={cfg['out_dir']}")  # where launch.sh looks for STOPPED after the ranks exit
-    lease.check(cfg)  # another live run in out_dir: refused here, before torchrun starts a rank (and again in them)
+    if os.environ.get("MAE_LAUNCH_NODE") != "1":  # (a node of this job: its rank 0 may hold the lease already)
+        lease.check(cfg)  # another live run in out_dir: refused here, before torchrun starts a rank (again in them)
     allocated = os.environ.get("SLURM_JOB_NUM_NODES")
     if allocated and cfg["nodes"] > int(allocated):
         raise configurator.ConfigError(f"the config asks for nodes={cfg['nodes']} but this SLURM allocation has "

@@ -2,6 +2,7 @@
 a checkpoint write (a clear error, no partial step, the relaunch resumes), and a checkpoint load that fails on one rank
 only (every rank falls back together: no hang). The launcher-level tests of the lease (two launches, kill -9 of the
 launcher) are in test_preempt.py, beside the other launch.sh stop tests."""
+import contextlib
 import json
 import os
 import socket
@@ -156,18 +157,24 @@ def uninterrupted(small_store, tmp_path_factory):
     return read_log(d), dict(read_val(d))
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A tmpfs of 14 MB (a checkpoint of these runs is about 9 MB): room for one checkpoint, not two."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=14m", "tmpfs", str(mnt)], capture_output=True, text=True)
+@contextlib.contextmanager
+def tmpfs(path, options):
+    """A real tmpfs mounted at `path` for the block (root only: skipped elsewhere)."""
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
     try:
-        yield mnt
+        yield path
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of 14 MB (a checkpoint of these runs is about 9 MB): room for one checkpoint, not two."""
+    with tmpfs(tmp_path / "disk", "size=14m") as mnt:
+        yield mnt
 
 
 @pytest.mark.parametrize("where", ["before the write", "during the write"])
@@ -206,17 +213,10 @@ def test_a_full_disk_is_one_clear_error_and_the_relaunch_with_room_follows_the_u
 
 def test_a_read_only_checkpoint_directory_is_the_same_clear_error(tmp_path):
     """A read-only file system (EROFS) is named as such by the question save() asks first."""
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "ro", "size=1m,ro") as mnt:
         assert checkpoint.room(str(mnt / "ckpt"), 10) == "Read-only file system"
-        assert checkpoint.room(str(tmp_path), 10) is None
-        assert "No space left on device" in checkpoint.room(str(tmp_path), 10 ** 18)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    assert checkpoint.room(str(tmp_path), 10) is None
+    assert "No space left on device" in checkpoint.room(str(tmp_path), 10 ** 18)
 
 
 # -----------------------------------------------------------------------------
