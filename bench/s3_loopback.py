@@ -34,6 +34,7 @@ class MotoS3:
         self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self.server.start()
         self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.reset()  # (an earlier server of this process may have left its buckets)
 
     def client(self):
         import boto3
@@ -62,7 +63,14 @@ class MotoS3:
                     out[f"s3://{b['Name']}/{o['Key']}"] = c.get_object(Bucket=b["Name"], Key=o["Key"])["Body"].read()
         return out
 
+    def reset(self):
+        """Empty every bucket. moto keeps its state per process, not per server: without this, what one test module
+        wrote would be there for the next module's server too."""
+        import urllib.request
+        urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST"), timeout=30)
+
     def stop(self):
+        self.reset()
         self.server.stop()
 
 
@@ -110,7 +118,8 @@ class FaultProxy:
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(msg)))
                     self.end_headers()
-                    self.wfile.write(msg)
+                    if self.command != "HEAD":  # (a body after a HEAD's answer reads as the next answer's start)
+                        self.wfile.write(msg)
                     return
                 if fault == "drop":
                     self.close_connection = True

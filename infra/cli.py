@@ -58,9 +58,10 @@ def run(main, argv):
     try:
         rc = main(argv)
     except BAD_INPUT + REFUSED + (FloatingPointError,) as e:  # nothing is half-written: one line says why
+        why = " ".join(str(e).split())  # one line, even where the cause quoted a library's multi-line message
         if rank == "0" or (isinstance(e, REFUSED) and not getattr(e, "agreed", False)):  # (one rank's alone)
-            print(f"error: {e}" if rank == "0" else f"error: (rank {rank}) {e}", file=sys.stderr, flush=True)
-        note_error(f"error: {e}" if rank == "0" else f"error: (rank {rank}) {e}")
+            print(f"error: {why}" if rank == "0" else f"error: (rank {rank}) {why}", file=sys.stderr, flush=True)
+        note_error(f"error: {why}" if rank == "0" else f"error: (rank {rank}) {why}")
         rc = 3 if isinstance(e, FloatingPointError) else 4 if isinstance(e, REFUSED) else 2
     except Exception as e:  # a bug, or a failure of a peer: the traceback follows; launch.sh names the first
         note_error(f"error: (rank {rank}) {type(e).__name__}: {' '.join(str(e).split())[:300]}")
