@@ -16,9 +16,11 @@ from infra.plan import activation_bytes, table
 from model import build_model
 
 
-def matmul_flops(device, dtype, n=2048, iters=10):
+def matmul_flops(device, dtype, n=None, iters=10):
     """This machine's dense matmul FLOP/s for an n x n x n product: the ceiling a training step is
-    compared against (measured, not a datasheet number)."""
+    compared against (measured, not a datasheet number). n: 2048 on a GPU, 512 on a CPU, where a CPU without
+    bf16 matrix instructions multiplies bf16 at a few GFLOP/s and 2048^3 would take minutes."""
+    n = n or (2048 if device.type == "cuda" else 512)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):
