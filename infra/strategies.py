@@ -74,11 +74,41 @@ def build(model, cfg, peak_lr, dtype, device):
     # master: measured on the quickstart, bf16 ZeRO-2 strayed 16x further from the fp32 run than FSDP2).
     # So the fp32 init goes into the masters, through DeepSpeed's own setter.
     init = {n: p.detach().clone() for n, p in model.named_parameters()} if dtype != torch.float32 else None
+    if not on_gpu:
+        load_cpu_comm_op()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if init is not None:
         for n, p in engine.module.named_parameters():
             set_fp32_master(engine.optimizer, p, init[n].to(device))
     return engine, optimizer
+
+
+def load_cpu_comm_op():
+    """On CPU, DeepSpeed's start (init_distributed) JIT-builds, or re-checks with ninja, its shared-memory comm op
+    inside torch's file baton: a bare lock file in the op's build folder, which nothing removes when its holder is
+    killed there (a scancel, a launcher's kill -9, a timeout). Every later CPU run on the machine then waits on it
+    forever, silently. So each rank loads the op here first, holding an flock of its own beside the baton (the
+    kernel drops an flock when its holder dies): while it is held no process of ours is inside the baton, and a
+    baton found then is a dead holder's, removed with a warning. DeepSpeed finds the op loaded (its builder keeps
+    it per process)."""
+    import fcntl
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return  # DeepSpeed goes on without it, as it would
+    folder = _get_build_directory(builder.name, False)  # (torch's own rule: TORCH_EXTENSIONS_DIR or ~/.cache)
+    with open(os.path.join(folder, "lock.holder"), "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        baton = os.path.join(folder, "lock")
+        if os.path.exists(baton):
+            print(f"WARNING: removing {baton}, left by a process killed while it built DeepSpeed's CPU comm op "
+                  f"(every CPU run would wait on it forever)", flush=True)
+            os.remove(baton)
+        builder.load(verbose=False)
+        fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def set_fp32_master(opt, p, value):

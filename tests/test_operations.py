@@ -220,6 +220,32 @@ def test_a_read_only_checkpoint_directory_is_the_same_clear_error(tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# a lock left by a rank killed while DeepSpeed built its CPU comm op
+
+
+def test_a_lock_left_by_a_killed_build_of_deepspeeds_cpu_op_is_removed(small_store, tmp_path):
+    """torch's file baton is a bare lock file in the op's build folder: a rank killed inside it (a scancel, a kill -9,
+    a timeout while DeepSpeed built or re-checked its CPU comm op) leaves it, and every later CPU run waited on it
+    forever (seen: a GPU-check section killed at its time limit hung every DeepSpeed run after it). With
+    infra/strategies.load_cpu_comm_op the next run names it, removes it and trains. The build folder is a copy of
+    this machine's (TORCH_EXTENSIONS_DIR), so no other run meets the planted lock."""
+    import shutil
+
+    from torch.utils.cpp_extension import _get_build_directory
+    ext = tmp_path / "extensions"
+    built = _get_build_directory("deepspeed_shm_comm", False)
+    if os.path.exists(os.path.join(built, "build.ninja")):  # (else this run builds it: a minute of g++)
+        shutil.copytree(built, ext / "deepspeed_shm_comm", ignore=shutil.ignore_patterns("lock*"))
+    (ext / "deepspeed_shm_comm").mkdir(parents=True, exist_ok=True)
+    (ext / "deepspeed_shm_comm" / "lock").touch()
+    r = run_train(small_args(small_store, tmp_path / "run", max_steps=2, eval_interval=100), nproc=2, timeout=300,
+                  env=job_env(TORCH_EXTENSIONS_DIR=str(ext)))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "WARNING: removing" in r.stdout and "deepspeed_shm_comm/lock" in r.stdout, r.stdout[-2000:]
+    assert not (ext / "deepspeed_shm_comm" / "lock").exists() and len(read_log(tmp_path / "run")) == 2
+
+
+# -----------------------------------------------------------------------------
 # a checkpoint that fails to load on one rank only
 
 
