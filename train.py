@@ -191,16 +191,29 @@ def setup(cfg):
     held = distributed.on_rank_0(lambda: lease.acquire(cfg, job.log, cfg["log_interval"] * p["step_s"] + p["eval_s"]
                                                        + p["ckpt_s"], p["eval_s"] + p["ckpt_s"]))
     job.lease = held if rank == 0 else None
+    try:
+        build_job(job)
+    except BaseException:  # (bad data, a model that does not fit): out_dir is free at once for the corrected relaunch
+        if job.lease:
+            job.lease.release()
+        raise
+    return job
+
+
+def build_job(job):
+    """setup's second half, under the lease: the data streams, the model (seeded), its initial weights, the engine."""
+    cfg, device, dtype = job.cfg, job.device, job.dtype
     # ---- data: the training stream and the held-out one (data.samplers)
-    job.sampler, job.val_sampler, job.stores_digest = data.samplers(cfg, cp_rank, dp_rank, dp_size, job.log)
+    job.sampler, job.val_sampler, job.stores_digest = data.samplers(cfg, job.cp_rank, job.dp_rank,
+                                                                    job.dp_size, job.log)
     # ---- model. Same init on every rank (seeded), as data parallelism requires.
     torch.manual_seed(cfg["seed"])
     job.model = model = build_model(cfg, train=True)
     job.grid = model.grid
-    model.set_context_parallel(cp_group, cfg["cp_impl"])
+    model.set_context_parallel(job.cp_group, cfg["cp_impl"])
     if job.cp > 1 and cfg["cp_impl"] == "torch":  # PyTorch's ring against ours on this machine, before any work
         for blk in (model.blocks[0], model.decoder_blocks[0]):  # the encoder's head dim and the decoder's
-            ring_attention.verify_torch_cp(cp_group, device, dtype, blk.qkv.in_features // blk.heads)
+            ring_attention.verify_torch_cp(job.cp_group, device, dtype, blk.qkv.in_features // blk.heads)
     job.n_params = sum(p.numel() for p in model.parameters())  # before any sharding hides them
     if cfg["init_from"]:  # trained weights, before a strategy shards the model or copies them into its masters
         modelfile.init_from(model, cfg, job.log)
@@ -208,7 +221,6 @@ def setup(cfg):
         for blk in list(model.blocks) + list(model.decoder_blocks):
             blk.compile()
     job.engine, job.optimizer = strategies.build(model, cfg, job.peak_lr, dtype, device)
-    return job
 
 
 # -----------------------------------------------------------------------------

@@ -142,6 +142,16 @@ def test_a_run_whose_lease_was_taken_over_stops_at_its_next_refresh(tmp_path):
     assert holder_of(tmp_path)["id"] == "theirs"
 
 
+def test_a_setup_that_fails_after_taking_the_lease_releases_it(small_store, tmp_path):
+    """Bad input found after the lease is taken (here: fine-tuning on a store without the label variable, which
+    data.samplers finds) is the one clear error line, and out_dir is free at once: a relaunch from another host
+    would otherwise wait out lease_min_s."""
+    r = run_train(small_args(small_store, tmp_path, task="segment", label_var="fault"), timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "fault" in r.stderr.strip().splitlines()[-1], r.stderr[-2000:]
+    assert not os.path.exists(tmp_path / lease.NAME)
+
+
 # -----------------------------------------------------------------------------
 # a full disk during a checkpoint write
 
