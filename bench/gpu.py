@@ -119,8 +119,9 @@ def clean_env(smoke):
 
 
 def main(argv):
-    opts = {"out": os.environ.get("OUT", "."), "budget_s": 480, "only": "", "limit_s": 0}
     smoke = "--cpu-smoke" in argv
+    # the budget is the GPU session's minutes; a CPU smoke has none (tests/test_gpu_check.py bounds it)
+    opts = {"out": os.environ.get("OUT", "."), "budget_s": 3600 if smoke else 480, "only": "", "limit_s": 0}
     for a in argv:
         if a.startswith("--") and "=" in a:
             k, v = a[2:].split("=", 1)

@@ -18,6 +18,11 @@ import torch
 from bench.gpu_attention import HERE, _sync, _timed
 from infra.plan import table
 
+# --cpu-smoke: the quickstart steps at a micro batch of 2, not 8. The code path is the same; a CPU without bf16
+# instructions multiplies bf16 at about 1 GFLOP/s (bench/step.py's matmul_flops), so the full batch made the smoke
+# run for many minutes
+SMOKE_BATCH = ["--micro_batch=2"]
+
 
 def sec_bf16_step(smoke, dev, out_dir):
     """The whole training path on this device (NCCL, bf16, DeepSpeed ZeRO-2): quickstart steps. Pass: every loss
@@ -27,7 +32,8 @@ def sec_bf16_step(smoke, dev, out_dir):
     steps, warmup = (6, 2) if smoke else (30, 5)
     cfg = configurator.defaults()
     configurator.apply(cfg, [os.path.join(HERE, "config/quickstart.py"), "--dtype=bfloat16", "--strategy=zero2",
-                             f"--out_dir={out_dir}/bf16_step", f"--data_paths=['{out_dir}/bf16_step/qs.mdio']"])
+                             f"--out_dir={out_dir}/bf16_step", f"--data_paths=['{out_dir}/bf16_step/qs.mdio']"]
+                    + (SMOKE_BATCH if smoke else []))
     train.check_config(cfg)
     job = train.setup(cfg)
     batches = train.micro_batches(job, 0, steps)
@@ -55,7 +61,10 @@ def sec_memory(smoke, dev, out_dir):
     """The planner's weight/gradient/optimizer terms against the allocator (torch.cuda's counters on the GPU): 1
     rank, bf16, zero2 / zero3 / fsdp2. Pass: every term within 25 % (the CPU tests' tolerance)."""
     from bench.plan import GPU_MEMORY_CASES, memory_check, memory_table
-    cases = GPU_MEMORY_CASES if not smoke else [(c[0], c[1], c[2][:1], c[3]) for c in GPU_MEMORY_CASES]  # (zero2)
+    # smoke: zero2 only, on crops of 8 x 8 x 32 (32 tokens: the state terms, which do not depend on the crop,
+    # are the large ones; tests/test_planner.py checks every strategy at the full crop)
+    cases = GPU_MEMORY_CASES if not smoke else [(c[0], c[1], c[2][:1], [*c[3], "--crop=(8,8,32)"])
+                                                for c in GPU_MEMORY_CASES]
     rows, worst = memory_check(cases, device=dev.type)
     memory_table(rows)
     return {"worst_rel_err": round(worst, 4), "rows": rows, "ok": bool(worst <= 0.25)}
@@ -72,8 +81,8 @@ def sec_bf16_strategies(smoke, dev, out_dir, steps=None):
         os.makedirs(os.path.join(d, "probe_" + name))
         return dict(os.environ, MAE_PROBE=os.path.join(d, "probe_" + name))
     losses = dtype_runs([os.path.join(HERE, "config/quickstart.py"), f"--data_paths=['{d}/qs.mdio']",
-                         "--make_synthetic=True"], d, steps, script="tests/train_hooks.py", env_for=env_for,
-                        names=("zero2", "fsdp2"), nproc=1)
+                         "--make_synthetic=True", *(SMOKE_BATCH if smoke else [])], d, steps,
+                        script="tests/train_hooks.py", env_for=env_for, names=("zero2", "fsdp2"), nproc=1)
     ids = {n: [json.loads(x)["ids_keep"] for x in open(os.path.join(d, "probe_" + n, "rank0.jsonl"))]
            for n in ("zero2", "fsdp2")}
     same = ids["zero2"] == ids["fsdp2"] and len(ids["zero2"]) == steps
@@ -112,7 +121,8 @@ def sec_compile(smoke, dev, out_dir):
     from bench.step import bench_step
     steps, warmup = (2, 1) if smoke else (10, 3)
     r = bench_step([os.path.join(HERE, "config/quickstart.py"), "--compile_compare=True", "--dtype=bfloat16",
-                    f"--out_dir={out_dir}/compile", f"--data_paths=['{out_dir}/compile/qs.mdio']"],
+                    f"--out_dir={out_dir}/compile", f"--data_paths=['{out_dir}/compile/qs.mdio']",
+                    *(SMOKE_BATCH if smoke else [])],
                    warmup=warmup, steps=steps)
     diff = max(abs(a - b) / abs(a) for a, b in zip(r["losses_eager"], r["losses_compiled"]))
     r.update(max_rel_loss_diff=diff, ok=bool(diff <= 3e-2))
@@ -196,7 +206,7 @@ def sec_segment(smoke, dev, out_dir, steps=None):
                         f"--data_paths=['{d}/qs.mdio']", "--make_synthetic=True", f"--max_steps={steps}",
                         "--task=segment", "--dtype=bfloat16", "--log_interval=1", f"--eval_interval={steps}",
                         f"--out_dir={d}/run", "--figures=False"]
-                       + (["--synthetic_shape=(32,32,128)", "--val_frac=0.5"] if smoke else []),
+                       + (["--synthetic_shape=(32,32,128)", "--val_frac=0.5", *SMOKE_BATCH] if smoke else []),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     log = [json.loads(x) for x in open(f"{d}/run/log.jsonl")]
@@ -216,18 +226,19 @@ def sec_elastic(smoke, dev, out_dir, steps=None):
     import shutil
     steps = steps or (8 if smoke else 16)
     half = steps // 2
+    mb = 2 if smoke else 8  # per CPU rank; the device's is twice that (the same global batch)
     d = os.path.join(out_dir, "elastic")
     base = [os.path.join(HERE, "train.py"), os.path.join(HERE, "config/quickstart.py"), f"--data_paths=['{d}/qs.mdio']",
             "--make_synthetic=True", f"--max_steps={steps}", "--dtype=bfloat16", "--log_interval=1",
             f"--ckpt_interval={half}", "--eval_interval=1000", "--figures=False"]
     cpu_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     cpu = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *base,
-                          "--micro_batch=8", f"--out_dir={d}/cpu"], env=cpu_env, capture_output=True, text=True,
+                          f"--micro_batch={mb}", f"--out_dir={d}/cpu"], env=cpu_env, capture_output=True, text=True,
                          timeout=600)
     assert cpu.returncode == 0, cpu.stderr[-2000:]
     tag = f"step_{half:07d}"
     shutil.copytree(f"{d}/cpu/ckpt/{tag}", f"{d}/dev/ckpt/{tag}")
-    run = subprocess.run([sys.executable, *base, "--micro_batch=16", f"--out_dir={d}/dev"], capture_output=True,
+    run = subprocess.run([sys.executable, *base, f"--micro_batch={2 * mb}", f"--out_dir={d}/dev"], capture_output=True,
                          text=True, timeout=600)
 
     def losses(name):
