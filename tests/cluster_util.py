@@ -144,6 +144,7 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscr
             r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=env, capture_output=True, text=True)
             states = dict(line.split() for line in r.stdout.splitlines() if line.strip())
             if states.get("n1") == "idle" and states.get("n2") == "idle":
+                self._reap_when_gone()
                 return self
             if any(p.poll() is not None for p in self.procs):
                 break
@@ -152,7 +153,20 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscr
         self.stop()
         raise RuntimeError(f"the local SLURM did not come up (sinfo: {r.stdout!r} {r.stderr!r}); logs:\n{logs}")
 
+    def _reap_when_gone(self):
+        """A pytest killed outright runs no teardown, and its cluster would go on running (and requeueing) its jobs
+        for ever, on the cores of whatever runs next. A watcher in a session of its own cancels the jobs and ends
+        the daemons once this process is gone; stop() ends the watcher first."""
+        m = os.path.join(self.dir, "munge")
+        script = (f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 2; done; scancel --full --user=root; sleep 5; "
+                  f"kill -9 {' '.join(str(p.pid) for p in self.procs)}; {_sbin('munged')} --stop --socket={m}/munge.sock")
+        self.reaper = subprocess.Popen(["sh", "-c", script], env=self.env(), start_new_session=True,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
     def stop(self):
+        if getattr(self, "reaper", None):
+            self.reaper.kill()
+            self.reaper.wait()
         env = self.env()
         subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True, timeout=30)
         for p in reversed(self.procs):

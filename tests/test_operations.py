@@ -187,6 +187,7 @@ def small_disk(tmp_path):
         yield mnt
 
 
+@pytest.mark.slow  # (the editing loop's subset leaves out this file's many-run tests: tests/README.md)
 @pytest.mark.parametrize("where", ["before the write", "during the write"])
 def test_a_full_disk_is_one_clear_error_and_the_relaunch_with_room_follows_the_uninterrupted_run(
         small_store, small_disk, uninterrupted, where):
@@ -233,6 +234,7 @@ def test_a_read_only_checkpoint_directory_is_the_same_clear_error(tmp_path):
 # a lock left by a rank killed while DeepSpeed built its CPU comm op
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_killed_build_of_deepspeeds_cpu_op_is_removed(small_store, tmp_path):
     """torch's file baton is a bare lock file in the op's build folder: a rank killed inside it (a scancel, a kill -9,
     a timeout while DeepSpeed built or re-checked its CPU comm op) leaves it, and every later CPU run waited on it
@@ -272,6 +274,7 @@ def spoil_pickle(path):
     assert zipfile.is_zipfile(path) and not checkpoint.unreadable_files(os.path.dirname(path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,shard", [("zero3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
                                             ("zero2", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
                                             ("fsdp2", "__1_0.distcp")])
