@@ -100,7 +100,7 @@ def load_cpu_comm_op():
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return  # DeepSpeed goes on without it, as it would
     folder = _get_build_directory(builder.name, False)  # (torch's own rule: TORCH_EXTENSIONS_DIR or ~/.cache)
-    with open(os.path.join(folder, "lock.holder"), "a") as guard:
+    with open(os.path.join(folder, "lock.holder"), "a") as guard:  # (closing it drops the flock)
         fcntl.flock(guard, fcntl.LOCK_EX)
         baton = os.path.join(folder, "lock")
         if os.path.exists(baton):
@@ -108,7 +108,6 @@ def load_cpu_comm_op():
                   f"(every CPU run would wait on it forever)", flush=True)
             os.remove(baton)
         builder.load(verbose=False)
-        fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def set_fp32_master(opt, p, value):

@@ -57,6 +57,7 @@ class Cluster:
         # slurmctld's port and one per slurmd: free ports, so that a SLURM already on this machine is left alone
         self.ports = ports or [free_port(), free_port(), free_port()]
         self.procs = []
+        self.reaper = None  # _reap_when_gone's watcher
         self.conf = os.path.join(self.dir, "slurm.conf")
 
     def env(self, **extra):
@@ -164,9 +165,10 @@ PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscr
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self):
-        if getattr(self, "reaper", None):
+        if self.reaper:
             self.reaper.kill()
             self.reaper.wait()
+            self.reaper = None
         env = self.env()
         subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True, timeout=30)
         for p in reversed(self.procs):
