@@ -191,6 +191,8 @@ def setup(cfg):
     held = distributed.on_rank_0(lambda: lease.acquire(cfg, job.log, cfg["log_interval"] * p["step_s"] + p["eval_s"]
                                                        + p["ckpt_s"], p["eval_s"] + p["ckpt_s"]))
     job.lease = held if rank == 0 else None
+    if job.lease:  # (a kill -9 of the launcher: the rank ends at once, out_dir free)
+        distributed.at_launcher_gone = job.lease.release
     try:
         build_job(job)
     except BaseException:  # (bad data, a model that does not fit): out_dir is free at once for the corrected relaunch

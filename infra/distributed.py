@@ -51,13 +51,18 @@ def init():
     return rank, world, torch.device("cuda", local) if on_gpu else torch.device("cpu")
 
 
+at_launcher_gone = None  # what a rank does before die_with_launcher ends it: train sets rank 0's lease release
+
+
 def die_with_launcher(poll_s=0.5):
     """Under torchrun: end this rank (SIGKILL, no checkpoint) as soon as its parent, torchrun, is gone.
     torchrun starts each rank in a session of its own, so a `kill -9` of launch.sh's process group, an OOM kill of
     torchrun or a dropped ssh session ends torchrun alone, and without this its ranks would train on unseen: holding
     the GPUs, writing checkpoints, and making the relaunch a second run in the same out_dir. A thread watches the
-    parent pid (when the parent dies the rank is handed to init or a subreaper: getppid changes). Nothing is saved:
-    COMPLETE markers keep what is on disk safe, and rank 0's death makes out_dir's lease stale at once on this host.
+    parent pid (when the parent dies the rank is handed to init or a subreaper: getppid changes). Nothing is saved
+    (COMPLETE markers keep what is on disk safe) but out_dir's lease: rank 0 releases it first (at_launcher_gone),
+    so that the relaunch finds out_dir free from any host. It would release it anyway, and just as fast, whenever
+    the other rank's kill came first and its next collective failed; now it does either way.
     (prctl's PR_SET_PDEATHSIG would be instant, but it fires when the *thread* that started the rank ends, and
     torchrun's threads are its own business.)"""
     parent = os.getppid()
@@ -70,7 +75,11 @@ def die_with_launcher(poll_s=0.5):
                         f"stopping now, without a checkpoint\n".encode())
         except OSError:
             pass
-        os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            if at_launcher_gone:
+                at_launcher_gone()
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="die_with_launcher", daemon=True).start()
 

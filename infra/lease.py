@@ -182,7 +182,10 @@ class Lease:
     def release(self):
         """Remove the lease, if it is still ours (never another run's)."""
         if self._ours():
-            os.remove(self.path)
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:  # (rank 0's main thread and its launcher watch can both release it)
+                pass
 
 
 def _write(path, me, exclusive):
