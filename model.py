@@ -295,6 +295,8 @@ class MAE(nn.Module):
     def initialize_weights(self):
         # MAE init: xavier-uniform on every Linear and on the patch embedding seen as a (dim, P) Linear,
         # zero biases, LayerNorm (1, 0), and N(0, 0.02) for the cls and mask tokens.
+        if self.cls_token.is_meta:  # shapes only (the planner): no values to set, and normal_ on meta would
+            return  # import torch._dynamo, seconds at the start of every run
         w = self.patch_embed.weight.data
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         nn.init.zeros_(self.patch_embed.bias)

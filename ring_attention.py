@@ -305,8 +305,9 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None
 
 
-@torch.compiler.disable  # one opaque op to torch.compile (train.py's compile=True): its P2P ops, timings and
-# autograd.Function are not traced; a compiled block runs up to it and on from its output (a graph break there)
+@torch._disable_dynamo  # one opaque op to torch.compile (train.py's compile=True): its P2P ops, timings and
+# autograd.Function are not traced; a compiled block runs up to it and on from its output (a graph break there).
+# (torch.compiler.disable would import torch._dynamo here, seconds at every start; this imports it at first call)
 def ring_attention(q, k, v, group=None, scale=None):
     """Non-causal attention of local queries against the keys/values of every rank in `group`.
     q, k, v: (B, H, N_local, Dh), the same N_local on every rank, ranks holding consecutive shares in
@@ -458,7 +459,7 @@ def verify_torch_cp(group, device, dtype, head_dim):
     _verified.add(key)
 
 
-@torch.compiler.disable  # (as ring_attention: its collectives and autograd.Function are not traced)
+@torch._disable_dynamo  # (as ring_attention: its collectives and autograd.Function are not traced)
 def torch_cp_attention(q, k, v, group=None, scale=None):
     """The same attention as ring_attention, through PyTorch's own ring functions (see above), checked against
     ring_attention the first time it runs on a group, device, dtype and head dim (verify_torch_cp)."""

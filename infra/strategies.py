@@ -76,11 +76,47 @@ def build(model, cfg, peak_lr, dtype, device):
     init = {n: p.detach().clone() for n, p in model.named_parameters()} if dtype != torch.float32 else None
     if not on_gpu:
         load_cpu_comm_op()
+    import_muon_uncompiled()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if init is not None:
         for n, p in engine.module.named_parameters():
             set_fp32_master(engine.optimizer, p, init[n].to(device))
     return engine, optimizer
+
+
+def import_muon_uncompiled():
+    """DeepSpeed's ZeRO engine imports its Muon optimizer module as it starts (and at every ZeRO-2 gradient
+    reduction) for isinstance checks. That module wraps three functions in torch.compile at import, and a
+    torch.compile call imports torch._dynamo and torch._inductor: seconds at every rank's start (`python -X
+    importtime train.py ...`), for an optimizer this project never builds. So it is imported here first, with each
+    torch.compile deferred to its function's first call: the same module and functions, compiled when (never,
+    here) they first run. Under compile=True train.py imports the compiler itself."""
+    import functools
+    import sys
+    name = "deepspeed.runtime.zero.muon.muon_optimizer"
+    if name in sys.modules:
+        return
+    compile_now = torch.compile
+
+    def compile_later(fn=None, **kw):  # torch.compile(fn, **kw) or @torch.compile(**kw)
+        if fn is None:
+            return lambda f: compile_later(f, **kw)
+        compiled = []
+
+        @functools.wraps(fn)
+        def first_call_compiles(*a, **k):
+            if not compiled:
+                compiled.append(compile_now(fn, **kw))
+            return compiled[0](*a, **k)
+        return first_call_compiles
+
+    torch.compile = compile_later
+    try:
+        __import__(name)
+    except ImportError:  # (a DeepSpeed without Muon: nothing to import)
+        pass
+    finally:
+        torch.compile = compile_now
 
 
 def load_cpu_comm_op():
