@@ -36,7 +36,8 @@ def build(model, cfg, peak_lr, dtype, device):
         # gradients in fp32, as FSDP2 keeps them here (reduce_dtype) and Megatron does: reduced in fp32
         # (communication_data_type) AND accumulated and kept in fp32 (grad_accum_dtype). Without the latter,
         # ZeRO-2/3 allocate the gradient partition in the model dtype and round the fp32-reduced result back
-        # to bf16 (stage_1_and_2.py, stage3.py): measured 14x further from the fp32 run than FSDP2.
+        # to bf16 (stage_1_and_2.py, stage3.py): measured 14x further from the fp32 run than FSDP2 with an
+        # earlier DeepSpeed (0.19.8 gives the same losses without it: tests/test_bf16.py).
         "communication_data_type": "fp32",
         "data_types": {"grad_accum_dtype": "fp32"},
         "zero_optimization": {

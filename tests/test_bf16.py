@@ -15,7 +15,7 @@ from conftest import job_env, run_train, small_args
 
 pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
 
-STEPS = 40
+STEPS = 20  # (20 steps tell the strategies apart as 40 did: see the tolerances below)
 BF16 = ("zero2", "zero3", "fsdp2")
 
 
@@ -50,9 +50,11 @@ def test_bf16_strategies_agree_and_none_strays_from_fp32(runs):
     three strategies round the same fp32 master weights to the same bf16 weights and compute the same forward;
     what differs is only the order of fp32 gradient sums (bucketed all-reduce vs reduce-scatter), a 1e-7
     effect that training amplifies step by step. So their losses agree far inside u: mean relative difference
-    <= u / 4 and at most u at any step over 40 steps. Against fp32 each strategy carries the bf16 error itself
-    (a few u); with fp32 gradient accumulation ZeRO-2 and ZeRO-3 must be no further from fp32 than about twice
-    FSDP2 (before it: 14x, gradients rounded to bf16 after every reduction)."""
+    <= u / 4 and at most u at any step over 20 steps. Against fp32 each strategy carries the bf16 error itself
+    (a few u); ZeRO-2 and ZeRO-3 must be no further from fp32 than about twice FSDP2. Measured over these 20 steps:
+    all three within 1 % of one another; ZeRO-3 with DeepSpeed's memory_efficient_linear (infra/strategies.py)
+    3.0x FSDP2, and 0.26 u from the others on average, which this test refuses. (Without grad_accum_dtype fp32,
+    DeepSpeed 0.19.8 gave the same losses here, over 20 steps and over 40: an earlier DeepSpeed was 14x FSDP2.)"""
     _, losses = runs
     u = 2.0 ** -8
     for a in BF16:
