@@ -9,14 +9,15 @@ Exit codes: 0 done; 2 bad input (configurator.ConfigError, reader.DataError, a r
 PyTorch's: ring_attention.CPMismatchError; another live run in out_dir: lease.LeaseHeld); 3 a diverged run
 (FloatingPointError); 4 the run's surroundings refused it (checkpoint.StorageError: no space, over quota, read-only;
 lease.LeaseLost: another run took out_dir over); train.py's stopped-at-a-checkpoint code (stop.RESUMABLE, 75)
-passes through. Under torchrun only rank 0 prints the line (every rank
-would say the same). Under launch.sh (MAE_ERROR_FILE set) every failing rank also appends its first line to
-that file, so that launch.sh ends with the first rank's reason rather than with torchrun's traceback; a bug
-(any other exception) is noted there too and then raised, traceback and all.
+passes through. Under torchrun only rank 0 prints the line (every rank would say the same; the others give it
+time to, see run). Under launch.sh (MAE_ERROR_FILE set) every failing rank also appends its first line to that
+file, so that launch.sh ends with the first rank's reason rather than with torchrun's traceback; a bug (any other
+exception) is noted there too and then raised, traceback and all.
 """
 import gc
 import os
 import sys
+import time
 
 import torch
 
@@ -27,6 +28,7 @@ from infra.reader import DataError
 from ring_attention import CPMismatchError
 
 BAD_INPUT = (ConfigError, DataError, CPMismatchError)
+RANK_0_GRACE_S = 10.0  # how long another rank's bad input waits for rank 0 to report the same (see run)
 REFUSED = (StorageError, LeaseLost)  # not the input, not a bug: the disk, or another run
 
 
@@ -60,9 +62,17 @@ def run(main, argv):
         rc = main(argv)
     except BAD_INPUT + REFUSED + (FloatingPointError,) as e:  # nothing is half-written: one line says why
         why = " ".join(str(e).split())  # one line, even where the cause quoted a library's multi-line message
-        if rank == "0" or (isinstance(e, REFUSED) and not getattr(e, "agreed", False)):  # (one rank's alone)
-            print(f"error: {why}" if rank == "0" else f"error: (rank {rank}) {why}", file=sys.stderr, flush=True)
-        note_error(f"error: {why}" if rank == "0" else f"error: (rank {rank}) {why}")
+        line = f"error: {why}" if rank == "0" else f"error: (rank {rank}) {why}"
+        note_error(line)
+        if rank != "0" and isinstance(e, BAD_INPUT) and os.environ.get("TORCHELASTIC_RUN_ID"):
+            # Every rank checks the same input and rank 0 says it for all, but torchrun ends the other ranks as soon
+            # as one exits: had this rank exited first, rank 0 would be killed before its line (seen: a bad crop
+            # showed torchrun's report alone). So this rank waits for torchrun to end it once rank 0 has exited;
+            # still here after the wait, the input was bad on this rank alone (its own data), and it says so.
+            time.sleep(RANK_0_GRACE_S)
+            print(line, file=sys.stderr, flush=True)
+        elif rank == "0" or (isinstance(e, REFUSED) and not getattr(e, "agreed", False)):  # (one rank's alone)
+            print(line, file=sys.stderr, flush=True)
         rc = 3 if isinstance(e, FloatingPointError) else 4 if isinstance(e, REFUSED) else 2
     except Exception as e:  # a bug, or a failure of a peer: the traceback follows; launch.sh names the first
         note_error(f"error: (rank {rank}) {type(e).__name__}: {' '.join(str(e).split())[:300]}")

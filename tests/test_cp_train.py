@@ -4,7 +4,7 @@ import pytest
 import configurator
 import model as M
 import train
-from conftest import read_log, read_val, run_train, small_args
+from conftest import job_env, read_log, read_val, run_train, small_args
 
 
 def _losses(d):
@@ -67,6 +67,17 @@ def test_bad_cp_input_fails_before_training(small_store, tmp_path, extra, nproc,
     assert r.returncode != 0
     assert expect in r.stderr, r.stderr[-3000:]
     assert "error: " in r.stderr
+    assert not (tmp_path / "log.jsonl").exists()
+
+
+def test_bad_input_is_rank_0s_line_even_when_rank_0_is_the_last_to_find_it(small_store, tmp_path):
+    """Rank 0 reaches the config check 3 s after rank 1 (a lagging start): torchrun ends every rank once one exits,
+    and rank 0 alone says why, so rank 1 waits for that; the line is there, said once, and nothing was written."""
+    r = run_train(small_args(small_store, tmp_path) + ["--crop=(24,16,32)", "--cp=2"], nproc=2,
+                  script="tests/train_hooks.py", env=job_env(MAE_FAULT="slow_check:0:3"))
+    assert r.returncode != 0
+    said = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert len(said) == 1 and "cannot be split evenly over cp=2" in said[0], r.stderr[-3000:]
     assert not (tmp_path / "log.jsonl").exists()
 
 

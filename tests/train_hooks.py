@@ -13,6 +13,8 @@ MAE_FAULT=no_room_check                  save() does not ask the file system for
                                         the write itself (someone else's files) is what the run meets.
 MAE_FAULT=nan_in_padding                after setup, the padding at the end of every ZeRO-3 partition (and of its fp32
                                         master) is set to NaN: what torch.empty may leave there. It is no weight.
+MAE_FAULT=slow_check:RANK:SECONDS      that rank sleeps SECONDS before train.py checks its config: one rank's start
+                                        lagging the others' (a loaded node).
 MAE_SAMPLES=DIR                         every training micro batch read appends its global sample ids to
                                         DIR/rank<R>.jsonl.
 MAE_PROBE=DIR                           every forward appends to DIR/rank<R>.jsonl what reached the model: the
@@ -59,6 +61,16 @@ if fault[0] in ("die_in_checkpoint", "signal_in_checkpoint"):
         job.engine.save_checkpoint = save_checkpoint
         return job
     train.setup = setup
+
+if fault[0] == "slow_check":
+    import time
+    real_check = train.check_config
+
+    def check_config(cfg):
+        if os.environ.get("RANK", "0") == fault[1]:
+            time.sleep(float(fault[2]))
+        return real_check(cfg)
+    train.check_config = check_config
 
 if fault[0] == "no_room_check":
     checkpoint.room = lambda ckpt_dir, need_bytes: None
