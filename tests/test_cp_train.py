@@ -31,8 +31,8 @@ def test_ten_steps_cp2_match_cp1(small_store, tmp_path):
     _same([v for _, v in v1], [v for _, v in v2])
 
 
-@pytest.mark.parametrize("cp,extra", [(2, {}), pytest.param(3, {"crop": (24, 16, 32), "val_frac": 0.5},
-                                                                marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("cp,extra", [(2, {}), (3, {"crop": (24, 16, 32), "val_frac": 0.5})])
 def test_torch_cp_trains_like_one_rank_and_the_ring(small_store, tmp_path, cp, extra):
     # cp_impl='torch' (PyTorch's own ring functions, forward and backward) follows the one-rank run and our ring
     args = dict(max_steps=6, eval_interval=5, **extra)
@@ -48,6 +48,7 @@ def test_torch_cp_trains_like_one_rank_and_the_ring(small_store, tmp_path, cp, e
     _same(_losses(tmp_path / "ring"), _losses(tmp_path / "torch"), tol=1e-6)
 
 
+@pytest.mark.slow
 def test_dp2_x_cp2_matches_one_rank(small_store, tmp_path):
     one = run_train(small_args(small_store, tmp_path / "a", max_steps=5, micro_batch=4, mask_strata=2), nproc=1)
     assert one.returncode == 0, one.stderr[-3000:]
@@ -70,6 +71,7 @@ def test_bad_cp_input_fails_before_training(small_store, tmp_path, extra, nproc,
     assert not (tmp_path / "log.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_bad_input_is_rank_0s_line_even_when_rank_0_is_the_last_to_find_it(small_store, tmp_path):
     """Rank 0 reaches the config check 3 s after rank 1 (a lagging start): torchrun ends every rank once one exits,
     and rank 0 alone says why, so rank 1 waits for that; the line is there, said once, and nothing was written."""

@@ -119,6 +119,7 @@ def test_starts_from_a_pretrained_model_file_and_its_out_dir_alike(labelled, tmp
     assert starts["file"]["val_loss"] != starts["scratch"]["val_loss"]
 
 
+@pytest.mark.slow
 def test_bad_labels_are_one_clear_error_before_any_checkpoint(labelled, tmp_path):
     other = tmp_path / "other.mdio"
     vol, fault, _ = synthetic.faultseg_volume(SHAPE, seed=12)

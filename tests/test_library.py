@@ -159,6 +159,7 @@ def test_the_index_command(lib, tmp_path):
     assert "Traceback" not in r.stderr and not (tmp_path / "cli.jsonl.none").exists()
 
 
+@pytest.mark.slow
 def test_a_run_from_a_manifest_with_a_held_out_store(lib, tmp_path):
     """train.py with data_paths=[@manifest]: c.mdio marked split "val" is the validation set (whole store), a and b
     are trained on; the same run through the explicit lists (data_paths a, b; val_paths c) gives the same losses.
@@ -183,6 +184,7 @@ def test_a_run_from_a_manifest_with_a_held_out_store(lib, tmp_path):
     assert "matches nothing" in bad.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_glob_and_manifest_on_loopback_s3(lib):
     """The same library uploaded to a real S3 endpoint on loopback: the glob, the index written to s3:// and the
     sampler reading through it give the local batches."""

@@ -162,6 +162,7 @@ def test_make_synthetic_never_writes_to_a_remote_path(s3, tmp_path):
     assert reader.Volume(str(tmp_path / "local.mdio")).shape == (16, 16, 32)
 
 
+@pytest.mark.slow
 def test_make_synthetic_with_a_remote_store_there_trains_on_it_and_writes_nothing(s3, tmp_path):
     """make_synthetic=True (config/quickstart.py) and an s3:// store that exists: it is the data, as it is; the run
     trains and the buckets are unchanged."""

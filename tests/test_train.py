@@ -28,6 +28,7 @@ def test_lr_schedule():
     assert lrs[-1] == pytest.approx(1e-5)
 
 
+@pytest.mark.slow
 def test_zero2_two_ranks_equal_one_rank_with_double_batch(small_store, tmp_path):
     """Per-rank batch b on 2 ranks must follow the same trajectory as batch 2b on 1 rank: proof that
     ZeRO-2 averages gradients over ranks (and that the samples are a function of the global index)."""
@@ -87,6 +88,7 @@ def test_stop_and_resume_is_exact_even_past_a_damaged_checkpoint(small_store, tm
     assert (ckpt / "damaged_step_0000004").is_dir()  # never deleted by the rotation
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_mask_or_dtype(small_store, tmp_path):
     """What the masks and the arithmetic depend on must not change under a resumed run (as the crop must not)."""
     first = run_train(small_args(small_store, tmp_path, max_steps=2, mask_ratio=0.75), nproc=1)
@@ -215,6 +217,7 @@ def test_checkpoint_is_on_disk_before_it_is_marked_complete(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("strategy,shard", [("zero3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
                                             ("fsdp2", "__1_0.distcp")])
+@pytest.mark.slow
 def test_sharded_strategies_fall_back_past_a_damaged_shard(small_store, tmp_path, strategy, shard):
     """Under ZeRO-3 a rank whose own shard loads goes on into collectives inside load_checkpoint, and FSDP2's DCP
     load is collective: the damage must be found before any rank loads (no hang), and the run goes on from the

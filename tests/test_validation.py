@@ -104,6 +104,7 @@ def run(small_store, tmp_path_factory):
     return d, r
 
 
+@pytest.mark.slow
 def test_run_logs_val_loss_and_draws_figures(run):
     d, r = run
     val = read_val(d)
@@ -125,6 +126,7 @@ def test_run_logs_val_loss_and_draws_figures(run):
     assert len(acc.Scalars("loss/train")) == 6 and len(acc.Images("reconstruction")) == 3
 
 
+@pytest.mark.slow
 def test_eval_only_prints_the_value_the_run_logged(run, small_store):
     d, _ = run
     r = run_train(small_args(small_store, d, max_steps=6, figures=False, norm_pix_loss=True, eval_only=True), nproc=2)
