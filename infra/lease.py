@@ -4,7 +4,7 @@ One run per out_dir: a lease that the run's rank 0 takes before any work and kee
     check(cfg)                  the dry run (launch.sh, before torchrun): LeaseHeld if a live run holds out_dir
     acquire(cfg, log) -> Lease  rank 0, at setup: take it, take over a stale one (a warning), or raise LeaseHeld
     Lease.refresh()             at every log line, evaluation and checkpoint: its mtime; LeaseLost if it is not ours
-    Lease.release()             the run's end (clean, stopped, or failed on rank 0)
+    Lease.release()             the run's end (clean, stopped, failed on rank 0, or its launcher killed)
 
 Why: two runs in one out_dir (a double sbatch, a requeue racing a manual relaunch, an auto-resume while the old job
 still drains) both resume, both append to log.jsonl, and each one's checkpoint rotation and leftover cleanup deletes
