@@ -296,7 +296,7 @@ class MAE(nn.Module):
         # MAE init: xavier-uniform on every Linear and on the patch embedding seen as a (dim, P) Linear,
         # zero biases, LayerNorm (1, 0), and N(0, 0.02) for the cls and mask tokens.
         if self.cls_token.is_meta:  # shapes only (the planner): no values to set, and normal_ on meta would
-            return  # import torch._dynamo, seconds at the start of every run
+            return  # import torch._dynamo: seconds of every dry run and `scripts.plan` (training imports it anyway)
         w = self.patch_embed.weight.data
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         nn.init.zeros_(self.patch_embed.bias)

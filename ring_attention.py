@@ -307,7 +307,8 @@ class RingAttention(torch.autograd.Function):
 
 @torch._disable_dynamo  # one opaque op to torch.compile (train.py's compile=True): its P2P ops, timings and
 # autograd.Function are not traced; a compiled block runs up to it and on from its output (a graph break there).
-# (torch.compiler.disable would import torch._dynamo here, seconds at every start; this imports it at first call)
+# (torch.compiler.disable imports torch._dynamo at import, seconds for every script that imports this file;
+# this imports it at the first call. A training run imports it anyway: every torch.optim optimizer does.)
 def ring_attention(q, k, v, group=None, scale=None):
     """Non-causal attention of local queries against the keys/values of every rank in `group`.
     q, k, v: (B, H, N_local, Dh), the same N_local on every rank, ranks holding consecutive shares in
