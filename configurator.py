@@ -137,7 +137,7 @@ def apply(cfg, argv):
             except OSError as e:
                 raise ConfigError(f"cannot read config file {arg!r}: {e}") from e
             scope = {"__file__": arg}  # so that a config can build on another one beside it (config/context_1m.py)
-            exec(builtins.compile(src, arg, "exec"), scope)  # (`compile` is a config key here)
+            run_config_file(src, arg, scope)
             for key, value in scope.items():
                 if key.startswith("__") or callable(value) or type(value).__name__ == "module":
                     continue  # imports and helper functions a config file may use
@@ -152,6 +152,23 @@ def apply(cfg, argv):
                 value = text  # a bare string
             changed[key] = cfg[key] = _check(cfg, key, value, f"from {arg}")
     return changed
+
+
+def run_config_file(src, path, scope):
+    """exec a config file's source in `scope`; a file that does not parse or fails as it runs is a ConfigError
+    naming the file, the line and the cause (a config file is Python that assigns names: max_steps = 500)."""
+    import traceback
+    try:
+        code = builtins.compile(src, path, "exec")  # (`compile` is a config key here)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path}, line {e.lineno}: {e.msg}: {(e.text or '').strip()!r} (a config "
+                          f"file is Python that assigns names, e.g. max_steps = 500)") from None
+    try:
+        exec(code, scope)
+    except Exception as e:
+        here = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == path]
+        line = f", line {here[-1].lineno}: {(here[-1].line or '').strip()!r}" if here else ""
+        raise ConfigError(f"config file {path}{line} fails: {type(e).__name__}: {e}") from None
 
 
 def defaults():

@@ -32,8 +32,8 @@ import torch
 import configurator
 import data
 import ring_attention
-from infra import checkpoint, distributed, dryrun, evaluate, lease, modelfile, plan, strategies
-from infra.cli import run as run_cli
+from infra import checkpoint, distributed, dryrun, evaluate, lease, modelfile, outputs, plan, strategies
+from infra.cli import need, run as run_cli
 from infra.stop import RESUMABLE, StopRequest, write_stopped
 from model import MODELS, build_model, token_grid
 
@@ -41,26 +41,37 @@ from model import MODELS, build_model, token_grid
 # the config check: everything that can be checked before any work is done
 
 
+# The numeric keys' ranges: (least, most, whether the least itself is allowed); None: no bound. Every int or float
+# key is here or checked below with a message of its own (tests/test_errors.py holds every key to a bad value).
+BOUNDS = {k: (1, None, True) for k in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval",
+                                       "keep_ckpts", "in_flight", "prefetch", "zero_bucket", "zero3_max_live",
+                                       "max_open_stores", "eval_interval", "nodes")}
+BOUNDS.update({k: (0, None, True) for k in ("read_retries", "warmup_steps", "min_lr", "weight_decay", "grad_clip",
+                                            "stop_step", "seed", "gpus_per_node", "stop_lead_s", "lease_min_s")})
+BOUNDS.update({k: (0, None, False) for k in ("blr", "read_timeout_s", "ckpt_write_gbps", "lease_stale",
+                                             "gpu_peak_flops")})
+BOUNDS["min_live"] = (0, 1, True)
+
+
 def check_config(cfg):
     """Raise ConfigError naming the problem and the fix; data-dependent checks live in data.Sampler."""
-
-    def need(ok, msg):
-        if not ok:
-            raise configurator.ConfigError(msg)
-
     need(cfg["model_size"] in MODELS, f"model_size {cfg['model_size']!r} unknown; choose one of {list(MODELS)}")
-    for key in ("crop", "patch"):
+    for key, (lo, hi, closed) in BOUNDS.items():
+        v = cfg[key]
+        need(math.isfinite(v) and (v >= lo if closed else v > lo) and (hi is None or v <= hi),
+             f"{key} must be {'>=' if closed else '>'} {lo}{f' and <= {hi}' if hi is not None else ''}, got {v!r}")
+    need(all(0 <= cfg[b] < 1 for b in ("beta1", "beta2")),
+         f"beta1 and beta2 (AdamW's) must be in [0, 1), got {cfg['beta1']}, {cfg['beta2']}")
+    for key in ("crop", "patch", "synthetic_shape", "synthetic_chunks"):
         v = cfg[key]
         need(len(v) == 3 and all(isinstance(a, int) and a > 0 for a in v),
              f"{key} must be 3 positive ints (inline, crossline, time), got {v!r}")
     need(all(c % p == 0 for c, p in zip(cfg["crop"], cfg["patch"])),
          f"crop {cfg['crop']} is not divisible by patch {cfg['patch']} along every axis: choose a crop that is a "
          f"multiple of the patch, e.g. {tuple(max(p, c // p * p) for c, p in zip(cfg['crop'], cfg['patch']))}")
-    need(0.0 < cfg["mask_ratio"] < 1.0, f"mask_ratio must be in (0, 1), got {cfg['mask_ratio']}")
+    check_masking(cfg)
     grid = token_grid(cfg["crop"], cfg["patch"])
     L = math.prod(grid)
-    need(int(L * (1 - cfg["mask_ratio"])) >= 1,
-         f"mask_ratio {cfg['mask_ratio']} leaves no visible token out of {L}: lower it or use a larger crop")
     # context parallelism
     cp, strata = cfg["cp"], cfg["mask_strata"] or cfg["cp"]
     need(cp >= 1, f"cp must be >= 1, got {cp}")
@@ -69,9 +80,9 @@ def check_config(cfg):
          f"the token grid {grid} cannot be split evenly over cp={cp} ranks: each rank holds grid[0]/cp inline "
          f"slabs, so crop[0]/patch[0] = {grid[0]} must be a multiple of cp (e.g. crop[0] = "
          f"{cfg['patch'][0] * cp * max(1, round(grid[0] / cp))})")
+    need(cfg["mask_strata"] >= 0, "mask_strata must be >= 0 (0 = cp)")
     need(strata % cp == 0 and L % strata == 0,
          f"mask_strata {strata} must be a multiple of cp={cp} and divide the {L} tokens")
-    need(cfg["mask_strata"] >= 0, "mask_strata must be >= 0 (0 = cp)")
     m = build_model({**cfg, "mask_strata": 0, "cp": 1}, device="meta")  # (shapes only: head dims, block count)
     if cp > 1:  # the ring runs on the fused attention kernels: check their head dims now
         for blk in (m.blocks[0], m.decoder_blocks[0]):
@@ -83,23 +94,25 @@ def check_config(cfg):
     n_blocks = len(m.blocks) + len(m.decoder_blocks)
     need(-1 <= cfg["ckpt_blocks"] <= n_blocks, f"ckpt_blocks={cfg['ckpt_blocks']}: -1 (every block) or a number "
                                                f"of blocks up to the {n_blocks} of model_size {cfg['model_size']!r}")
-    need(0.0 <= cfg["min_live"] <= 1.0, f"min_live must be in [0, 1], got {cfg['min_live']}")
+    need(cfg["read_threads"] >= 0, f"read_threads must be >= 0 (0: one per CPU of this rank), got {cfg['read_threads']}")
+    # the words
     need(cfg["sample_weighting"] in ("volume", "uniform", "manifest"),
          f"sample_weighting must be 'volume', 'uniform' or 'manifest', got {cfg['sample_weighting']!r}")
-    need(cfg["ckpt_write_gbps"] > 0 and cfg["stop_lead_s"] >= 0, "ckpt_write_gbps must be > 0 and stop_lead_s >= 0")
-    need(cfg["lease_stale"] > 0 and cfg["lease_min_s"] >= 0, "lease_stale must be > 0 and lease_min_s >= 0")
-    need(cfg["read_threads"] >= 0, f"read_threads must be >= 0 (0: one per CPU of this rank), got {cfg['read_threads']}")
-    for key in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval", "keep_ckpts", "in_flight",
-                "prefetch", "zero_bucket", "zero3_max_live", "max_open_stores"):
-        need(cfg[key] >= 1, f"{key} must be >= 1, got {cfg[key]}")
     need(cfg["dtype"] in ("auto", "float32", "bfloat16"), f"dtype must be auto|float32|bfloat16, got {cfg['dtype']!r}")
     need(cfg["strategy"] in ("zero2", "zero3", "fsdp2"), f"strategy must be zero2|zero3|fsdp2, got {cfg['strategy']!r}")
+    need(not cfg["s3_endpoint"] or cfg["s3_endpoint"].startswith(("http://", "https://")),
+         f"s3_endpoint must be an http:// or https:// URL (or '' for AWS), got {cfg['s3_endpoint']!r}")
+    # the data and the run's folder
+    for key in ("data_paths", "val_paths"):
+        need(all(isinstance(p, str) and p.strip() for p in cfg[key]),
+             f"{key} must be a list of store paths, URLs, glob patterns or @manifests (strings), got {cfg[key]!r}")
     need(len(cfg["data_paths"]) >= 1, "data_paths is empty: list at least one MDIO/Zarr store")
-    need(cfg["blr"] > 0 and cfg["min_lr"] >= 0, "blr must be > 0 and min_lr >= 0")
+    outputs.check_dir(cfg["out_dir"], "out_dir")
+    outputs.refuse_inside(cfg["out_dir"], [p for p in cfg["data_paths"] + cfg["val_paths"] if not p.startswith("@")],
+                          "out_dir")
     need(0.0 <= cfg["val_frac"] < 1.0, f"val_frac must be in [0, 1) (0 = no validation), got {cfg['val_frac']}")
     need(cfg["eval_samples"] >= 1, f"eval_samples must be >= 1, got {cfg['eval_samples']} (val_frac=0 and no "
                                    f"val_paths switch validation off)")
-    need(cfg["eval_interval"] >= 1, f"eval_interval must be >= 1, got {cfg['eval_interval']}")
     need(not cfg["eval_only"] or cfg["val_paths"] or cfg["val_frac"] > 0,
          "eval_only=True needs a validation set: val_paths, or val_frac > 0 as the run had")
     if cfg["figures"]:
@@ -111,18 +124,26 @@ def check_config(cfg):
     # fine-tuning
     need(cfg["task"] in ("mae", "segment"), f"task must be 'mae' (pretraining) or 'segment' (fine-tuning), got "
                                             f"{cfg['task']!r}")
-    if cfg["task"] == "segment":
-        need(cfg["classes"] >= 2, f"classes must be >= 2 (2: binary, e.g. fault / no fault), got {cfg['classes']}")
-        need(cfg["pos_weight"] > 0, f"pos_weight must be > 0 (1: unweighted), got {cfg['pos_weight']}")
-        need(0 < cfg["layer_decay"] <= 1, f"layer_decay must be in (0, 1] (1: off; MAE fine-tunes with 0.75), got "
-                                          f"{cfg['layer_decay']}")
-        need(bool(cfg["label_var"]), "task='segment' needs label_var: the stores' class variable (e.g. 'fault')")
+    need(cfg["classes"] >= 2, f"classes must be >= 2 (2: binary, e.g. fault / no fault), got {cfg['classes']}")
+    need(cfg["pos_weight"] > 0, f"pos_weight must be > 0 (1: unweighted), got {cfg['pos_weight']}")
+    need(0 < cfg["layer_decay"] <= 1, f"layer_decay must be in (0, 1] (1: off; MAE fine-tunes with 0.75), got "
+                                      f"{cfg['layer_decay']}")
+    need(cfg["task"] != "segment" or bool(cfg["label_var"]),
+         "task='segment' needs label_var: the stores' class variable (e.g. 'fault')")
     if cfg["tensorboard"]:
         try:
             importlib.import_module("torch.utils.tensorboard")  # fail now, not after hours of training
         except ImportError as e:
             raise configurator.ConfigError(f"tensorboard=True but torch.utils.tensorboard cannot be imported ({e}): "
                                            f"pip install tensorboard, or drop tensorboard=True") from None
+
+
+def check_masking(cfg):
+    """mask_ratio in (0, 1), leaving at least one visible token of the crop's (scripts/reconstruct.py asks too)."""
+    need(0.0 < cfg["mask_ratio"] < 1.0, f"mask_ratio must be in (0, 1), got {cfg['mask_ratio']}")
+    L = math.prod(token_grid(cfg["crop"], cfg["patch"]))
+    need(int(L * (1 - cfg["mask_ratio"])) >= 1,
+         f"mask_ratio {cfg['mask_ratio']} leaves no visible token out of {L}: lower it or use a larger crop")
 
 
 def get_lr(step, peak_lr, cfg):
@@ -417,8 +438,7 @@ def run(job, stop):
     start, seen = checkpoint.resume(job.engine, cfg, ckpt_dir, job.world, job.dtype, log)
     if start:
         job.sampler.offset = seen - start * job.global_batch  # 0 unless the global batch changed (allow_batch_change)
-        with open(os.path.join(ckpt_dir, f"step_{start:07d}", "COMPLETE")) as f:
-            was = json.load(f).get("stores")
+        was = (checkpoint.read_marker(os.path.join(ckpt_dir, f"step_{start:07d}")) or {}).get("stores")
         if was and was != job.stores_digest:
             log(f"WARNING: the training stores or sample_weighting differ from those of step_{start:07d} (a glob that "
                 f"finds more stores now, another manifest): the run goes on, but not on the samples it would have had")

@@ -45,42 +45,50 @@ import torch
 
 import configurator
 from infra.distributed import on_rank_0
+from infra.outputs import fsync_dir, fsync_tree  # (checkpoint's own names too: tests wrap them)
+
+
+def read_marker(folder):
+    """folder/COMPLETE as a dict, or None: there is none, or it does not parse (torn: a partial copy, a file system
+    fault; save() writes it whole, by a rename). A checkpoint is complete only with a marker that parses."""
+    try:
+        with open(os.path.join(folder, "COMPLETE")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _step_dirs(ckpt_dir):
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted((int(t[5:]), t) for t in os.listdir(ckpt_dir) if t.startswith("step_") and t[5:].isdigit())
 
 
 def complete_checkpoints(ckpt_dir):
-    """[(step, tag)] of complete checkpoints, oldest first."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    out = []
-    for tag in os.listdir(ckpt_dir):
-        if tag.startswith("step_") and os.path.exists(os.path.join(ckpt_dir, tag, "COMPLETE")):
-            out.append((int(tag[5:]), tag))
-    return sorted(out)
+    """[(step, tag)] of complete checkpoints (a COMPLETE marker that parses), oldest first."""
+    return [(s, t) for s, t in _step_dirs(ckpt_dir) if read_marker(os.path.join(ckpt_dir, t)) is not None]
 
 
-def fsync_dir(path):
-    """Flush a directory's entries (new names, renames). Some network file systems refuse fsync on a
-    directory (EINVAL): they commit entries on their own, so that is not an error."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-    finally:
-        os.close(fd)
+def torn_checkpoints(ckpt_dir):
+    """[(step, tag)] whose COMPLETE marker is there but does not parse: not complete, and not a write that died
+    part-way either (the marker is renamed into place whole): damaged since. resume() moves them aside."""
+    return [(s, t) for s, t in _step_dirs(ckpt_dir)
+            if os.path.exists(os.path.join(ckpt_dir, t, "COMPLETE")) and read_marker(os.path.join(ckpt_dir, t)) is None]
 
 
-def fsync_tree(path):
-    """Flush every file under `path`, then every directory's entries."""
-    for root, _, names in os.walk(path):
-        for name in names:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(root)
+def move_aside(ckpt_dir, tag, why, log=print):
+    """Rank 0: checkpoint `tag` that must not be resumed from, moved to damaged_TAG (never deleted: someone may
+    repair it), with a WARNING saying why. Returns the new name."""
+    aside, n = f"damaged_{tag}", 1
+    while os.path.exists(os.path.join(ckpt_dir, aside)):  # damaged before, rewritten, damaged again
+        n += 1
+        aside = f"damaged_{tag}.{n}"
+    os.replace(os.path.join(ckpt_dir, tag), os.path.join(ckpt_dir, aside))
+    fsync_dir(ckpt_dir)
+    log(f"WARNING: checkpoint {ckpt_dir}/{tag} {why}. Moved aside to {ckpt_dir}/{aside} (kept); trying the "
+        f"checkpoint before it.")
+    return aside
 
 
 class StorageError(OSError):
@@ -238,9 +246,11 @@ def check_resumable(cfg, ckpt_dir):
         raise configurator.ConfigError(f"{ckpt_dir} holds checkpoints of an earlier run and resume=False: use a new "
                                        f"out_dir (mixing two runs' checkpoints in one directory is never safe)")
     damaged = sorted(t for t in os.listdir(ckpt_dir) if t.startswith("damaged_")) if os.path.isdir(ckpt_dir) else []
+    damaged += [t for _, t in torn_checkpoints(ckpt_dir)]  # (moved aside by resume before it looks)
     if damaged and not done and cfg["resume"]:
-        raise configurator.ConfigError(f"{ckpt_dir} holds only checkpoints moved aside as damaged ({', '.join(damaged)})"
-                                       f": repair one and rename it back to step_N, or remove them to start again")
+        raise configurator.ConfigError(f"{ckpt_dir} holds only damaged checkpoints ({', '.join(damaged)}: moved aside, "
+                                       f"or with a COMPLETE marker that does not parse): repair one and rename it back "
+                                       f"to step_N, or remove them to start again")
     return done
 
 
@@ -254,8 +264,12 @@ def resume(engine, cfg, ckpt_dir, world, dtype, log):
     fault, a partial copy). Then every rank says whether it loaded, all agree (one all-reduce), rank 0 names
     the rank, the error and the files that no longer read, moves the checkpoint aside to damaged_step_N (never
     deletes it: someone may repair it) and the ranks try the one before. Only when none loads is it an error:
-    an auto-resuming launcher (HyperPod, sbatch --requeue) must not loop on one bad checkpoint."""
+    an auto-resuming launcher (HyperPod, sbatch --requeue) must not loop on one bad checkpoint. A checkpoint whose
+    COMPLETE marker does not parse (torn_checkpoints) is moved aside the same way, before any is tried."""
     dist = torch.distributed
+    on_rank_0(lambda: [move_aside(ckpt_dir, t, "has a COMPLETE marker that does not parse (torn since it was written: "
+                                               "a partial copy, a file system fault)", lambda m: print(m, flush=True))
+                       for _, t in torn_checkpoints(ckpt_dir)] if cfg["resume"] else None)
     check_resumable(cfg, ckpt_dir)
     # rank 0 lists the candidates and tells everyone: all ranks must try the same ones, in the same order
     done = [complete_checkpoints(ckpt_dir) if cfg["resume"] else []]
@@ -276,11 +290,10 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
     """Check that checkpoint `tag` can be continued by this run and load it: (its step, samples seen), (None, None)
     (the newest is at max_steps: nothing to do), or "damaged" (it did not load on some rank; moved aside)."""
     dist = torch.distributed
-    if not os.path.exists(os.path.join(ckpt_dir, tag, "COMPLETE")):
+    meta = read_marker(os.path.join(ckpt_dir, tag))
+    if meta is None:
         raise configurator.ConfigError(f"rank {dist.get_rank()} cannot see {ckpt_dir}/{tag}: out_dir "
                                        f"must be on storage that every node shares")
-    with open(os.path.join(ckpt_dir, tag, "COMPLETE")) as f:
-        meta = json.load(f)
     if newest and meta["step"] >= cfg["max_steps"] and not cfg.get("eval_only"):
         log(f"run already complete: {ckpt_dir}/{tag} is at step {meta['step']} of max_steps "
             f"{cfg['max_steps']}; raise --max_steps to go on")
@@ -322,16 +335,9 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
     reasons = [None] * dist.get_world_size()
     dist.all_gather_object(reasons, why)
     if dist.get_rank() == 0:
-        aside, n = f"damaged_{tag}", 1
-        while os.path.exists(os.path.join(ckpt_dir, aside)):  # damaged before, rewritten, damaged again
-            n += 1
-            aside = f"damaged_{tag}.{n}"
         why_all = (f"files that no longer read: {', '.join(bad)}" if bad else
                    "; ".join(f"rank {r}: {w}" for r, w in enumerate(reasons) if w))
-        print(f"WARNING: checkpoint {ckpt_dir}/{tag} is marked complete but does not load: {why_all}. Moved aside to "
-              f"{ckpt_dir}/{aside} (kept); trying the checkpoint before it.", flush=True)
-        os.replace(os.path.join(ckpt_dir, tag), os.path.join(ckpt_dir, aside))
-        fsync_dir(ckpt_dir)
+        move_aside(ckpt_dir, tag, f"is marked complete but does not load: {why_all}", lambda m: print(m, flush=True))
     dist.barrier()
     return "damaged"
 
@@ -381,8 +387,8 @@ def to_universal(ckpt_dir, tag, log):
     out = os.path.join(src, "universal")
 
     def convert():
-        if os.path.exists(os.path.join(out, "COMPLETE")):
-            return  # converted by an earlier launch
+        if read_marker(out) is not None:
+            return  # converted by an earlier launch (a torn marker: converted again)
         tmp = out + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier conversion that died part-way
         log(f"converting {src} to a universal checkpoint (DeepSpeed's ds_to_universal), once")

@@ -7,7 +7,6 @@ activation checkpointing that fits, samples/s, the stop lead SLURM's warning nee
 launch.sh reads; a config that cannot run is a ConfigError (exit 2), the last thing the user sees.
 """
 
-import json
 import os
 
 import torch
@@ -34,10 +33,12 @@ def check_launch(cfg):
     # the checkpoint this run would resume from must fit it: refused here, before torchrun starts any rank (dtype
     # 'auto' is left to the ranks: this host may not be the kind of machine they run on)
     ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
+    for _, tag in checkpoint.torn_checkpoints(ckpt_dir) if cfg["resume"] else []:
+        print(f"warning: {ckpt_dir}/{tag}'s COMPLETE marker does not parse (torn since it was written): the ranks move "
+              f"it aside to damaged_{tag} and resume from the newest complete checkpoint before it")
     done = checkpoint.check_resumable(cfg, ckpt_dir)
     if done:
-        with open(os.path.join(ckpt_dir, done[-1][1], "COMPLETE")) as f:
-            meta = json.load(f)
+        meta = checkpoint.read_marker(os.path.join(ckpt_dir, done[-1][1]))
         dt = None if cfg["dtype"] == "auto" else str(getattr(torch, cfg["dtype"]))
         checkpoint.check_compatible(meta, cfg, world, dt, f"{ckpt_dir}/{done[-1][1]}")
         print(f"resume: {ckpt_dir}/{done[-1][1]} fits this run" + (

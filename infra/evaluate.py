@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import data
 import model as M
+from infra import outputs
 
 
 def assignment(n, dp_rank, dp_size, micro_batch):
@@ -228,8 +229,9 @@ def voxel_views(model, x, pred, mask):
 # figures (matplotlib is imported here only, with the Agg backend: no display, no pyplot state)
 
 
-def recon_figure(path, slices, origin, title):
-    """Write the 3 x 4 panel figure to `path` (PNG) and return the matplotlib Figure (tensorboard takes it).
+def recon_figure(path, slices, origin, title, record=None):
+    """Write the 3 x 4 panel figure to `path` (PNG, whole or not at all, `record` in a text chunk: infra/outputs.py)
+    and return the matplotlib Figure (tensorboard takes it).
     slices: {inline|crossline|time: (3, a, b) original, reconstruction, mask}, in crop coordinates; origin:
     the crop's origin in the volume, so that the axes read in volume indices."""
     import matplotlib
@@ -262,11 +264,11 @@ def recon_figure(path, slices, origin, title):
                 ax.tick_params(labelleft=False)
     fig.suptitle(title, fontsize=10)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
+    outputs.save_figure(fig, path, record)
     return fig
 
 
-def seg_figure(path, slices, origin, title):
+def seg_figure(path, slices, origin, title, record=None):
     """Fine-tuning's figure: for the inline, crossline and time slices through validation sample 0's centre, the
     amplitude, the label over it and the prediction over it (slices: run_segment's, (amplitude, predicted class,
     label) per slice). Written to `path` (PNG); returns the Figure."""
@@ -295,7 +297,7 @@ def seg_figure(path, slices, origin, title):
                 ax.tick_params(labelleft=False)
     fig.suptitle(title, fontsize=10)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
+    outputs.save_figure(fig, path, record)
     return fig
 
 
@@ -305,7 +307,10 @@ def read_losses(log_path):
     train, val = {}, {}
     with open(log_path) as f:
         for line in f:
-            r = json.loads(line)
+            try:
+                r = json.loads(line)
+            except ValueError:  # (a last line cut short by a crash: train.py drops it when it goes on)
+                continue
             if "loss" in r:
                 train[r["step"]] = r["loss"]
             if "val_loss" in r:
@@ -313,7 +318,7 @@ def read_losses(log_path):
     return train, val
 
 
-def loss_figure(path, log_path, ylabel="masked MSE"):
+def loss_figure(path, log_path, ylabel="masked MSE", record=None):
     """Train and validation loss against step, log scale, from log.jsonl."""
     import matplotlib
     matplotlib.use("Agg")
@@ -331,7 +336,7 @@ def loss_figure(path, log_path, ylabel="masked MSE"):
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
+    outputs.save_figure(fig, path, record)
     return fig
 
 

@@ -16,6 +16,8 @@ once) and hands the records to every rank.
 """
 import json
 
+from configurator import ConfigError
+from infra import outputs
 from infra.progress import Progress
 from infra.reader import DataError, ReadOptions, Volume, storage_options
 
@@ -40,6 +42,11 @@ def read_manifest(url, opts=None, cut_short_ok=False):
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read manifest {url!r} ({type(e).__name__}: {e}): write one with "
                         f"python -m scripts.library index PATTERN... --out MANIFEST") from None
+    return parse_lines(url, lines, cut_short_ok)
+
+
+def parse_lines(url, lines, cut_short_ok=False):
+    """read_manifest()'s records of a manifest's lines (url names it in the errors)."""
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -59,8 +66,11 @@ def read_manifest(url, opts=None, cut_short_ok=False):
         except ValueError as e:
             if cut_short_ok and n == len(lines):
                 continue
-            raise DataError(f"manifest {url!r} line {n} is not a store record ({e}): {line[:120]!r}; write manifests "
-                            f"with python -m scripts.library index, or give each line the keys {list(RECORD_KEYS)}") from None
+            last = (" (its last line, cut short? an index that crashed: run the same index command again to finish "
+                    "it)" if n == len(lines) else "")
+            raise DataError(f"manifest {url!r} line {n} is not a store record ({e}): {line[:120]!r}{last}; write "
+                            f"manifests with python -m scripts.library index, or give each line the keys "
+                            f"{list(RECORD_KEYS)}") from None
         out.append(r)
     if not out and not cut_short_ok:
         raise DataError(f"manifest {url!r} lists no store")
@@ -88,28 +98,30 @@ def expand(entries, opts=None):
     return out
 
 
-def index(entries, opts=None, out=None, in_flight=16, log=None, extra=None):
+def index(entries, opts=None, out=None, in_flight=16, log=None, extra=None, overwrite=False, add=False):
     """Records for `entries` (expand()'s: URLs are opened and described, records kept), opened `in_flight` at a time.
     Returns them in the order of `entries`. extra: keys to set on these stores' lines (split, weight).
-    out: the manifest file to write. A local one gets each store's line appended (and flushed) as soon as it is
-    done, so an index that crashed goes on where it stopped: stores already there are not opened again, and a last
-    line cut short is dropped. At the end the manifest is rewritten whole, its lines sorted by url, under a
-    temporary name and renamed: the same stores give the same file, and the same file the same samples (a list of
-    the same URLs in that order gives them too). An object store cannot append: there it is written at the end."""
+    out: the manifest file to write, whole, at the end: its lines sorted by url, under a temporary name and renamed
+    (infra/outputs.py), so that the same stores give the same file, and the same file the same samples (a list of
+    the same URLs in that order gives them too). While it runs, each store's line is appended (and flushed) to
+    OUT.partial beside it as soon as it is done (local manifests), so an index that crashed goes on where it stopped:
+    stores already there are not opened again, and a last line cut short is dropped. An object store cannot
+    append: there the manifest is written at the end only. What is at `out` already (checked before any store is
+    opened, see _kept):
+      * a manifest of these stores (all of its lines among them, with this split and weight): it goes on from it;
+      * a manifest of other stores, or with another split or weight: refused, unless add (its lines are kept, these
+        stores' lines added, with this call's split / weight on them) or overwrite (these stores' lines alone);
+      * anything else (a file that is not a manifest): refused."""
     import os
     import threading
     from concurrent.futures import ThreadPoolExecutor
-    opts = opts or ReadOptions()
+    opts, extra = opts or ReadOptions(), extra or {}
     items = expand(entries, opts)
-    local = out is not None and ("://" not in out or out.startswith("file://"))
-    if local and os.path.exists(out):  # a line cut short by a crash: gone before anything is appended after it
-        with open(out, "rb+") as f:
-            text = f.read()
-            if text and not text.endswith(b"\n"):
-                f.truncate(text.rfind(b"\n") + 1)
-    done = {r["url"]: r for r in read_manifest(out, opts, cut_short_ok=True)} if out and _exists(out, opts) else {}
-    todo = [u for u in dict.fromkeys(x for x in items if isinstance(x, str)) if u not in done]
-    f = open(out, "a") if local and todo else None
+    urls = list(dict.fromkeys(x for x in items if isinstance(x, str)))
+    done = {} if out is None else _kept(out, entries, urls, extra, opts, overwrite, add)
+    todo = [u for u in urls if u not in done]
+    partial = f"{outputs.local(out)}.partial" if out is not None and not outputs.is_remote(out) else None
+    f = open(partial, "a") if partial and todo else None
     lock = threading.Lock()
 
     # opening a store sends zarr's probes side by side (zarr.json, .zarray, .zattrs at once: up to 4 requests), so
@@ -121,7 +133,7 @@ def index(entries, opts=None, out=None, in_flight=16, log=None, extra=None):
     bar = Progress(total=len(todo), desc="indexing", unit="store") if todo else None
 
     def one(url):
-        r = {**Volume(url, opening).describe(), **(extra or {})}
+        r = {**Volume(url, opening).describe(), **extra}
         if f is not None:
             with lock:
                 f.write(json.dumps(r) + "\n")
@@ -138,17 +150,79 @@ def index(entries, opts=None, out=None, in_flight=16, log=None, extra=None):
             f.close()
         if bar is not None:
             bar.close()
-    for u in (x for x in items if isinstance(x, str)):  # stores indexed before: this call's split / weight too
-        done[u] = {**done[u], **(extra or {})}
+    for u in urls:  # stores indexed before (add): this call's split / weight too
+        done[u] = {**done[u], **extra}
     if out is not None:
         text = "".join(json.dumps(done[u]) + "\n" for u in sorted(done))
-        fs, path = _fs(out, opts)
-        tmp = f"{path}.tmp{os.getpid()}" if local else path
-        with fs.open(tmp, "w") as g:
-            g.write(text)
-        if local:
-            os.replace(tmp, path)
+        if partial:
+            with outputs.replacing(out) as tmp, open(tmp, "w") as g:
+                g.write(text)
+            if os.path.exists(partial):
+                os.remove(partial)
+        else:
+            fs, path = _fs(out, opts)
+            with fs.open(path, "w") as g:  # (one PUT: whole or not at all)
+                g.write(text)
     return [x if isinstance(x, dict) else done[x] for x in items]
+
+
+MARKS = ("split", "weight")  # what an index call sets on its stores' lines
+
+
+def _kept(out, entries, urls, extra, opts, overwrite, add):
+    """index(): the records already at `out` (and in OUT.partial, an interrupted index's) that this call keeps,
+    {url: record}, or a ConfigError (one line) when out must not be written: inside one of the inputs, in a
+    folder that does not exist, not a manifest, or a manifest of other stores or marks without add / overwrite."""
+    inputs = urls + [e[1:] for e in entries if e.startswith("@")]
+    outputs.refuse_inside(out, inputs)
+    if outputs.is_remote(out):
+        found = _records(out, opts) if _exists(out, opts) else None
+        kept = found
+    else:
+        outputs.check_folder(out)
+        found = outputs.inspect_file(out, lambda p: _records(p, opts), "a manifest")
+        partial = outputs.inspect_file(f"{outputs.local(out)}.partial", _partial_records, "a manifest")
+        if isinstance(partial, outputs.Foreign):
+            raise ConfigError(f"{out}.partial is {partial}, where an interrupted index of --out={out!r} would be: "
+                              f"move it away, or choose another --out")
+        kept = None if isinstance(found, outputs.Foreign) else {**(found or {}), **(partial or {})}
+    if isinstance(found, outputs.Foreign):
+        outputs.target(out, "a manifest", found, {})  # (refuses, naming what it is)
+    if not kept:
+        return {}
+    mine = set(urls)
+    others = [u for u in kept if u not in mine]
+    marked = [u for u in kept if u in mine and {k: kept[u].get(k) for k in MARKS} != {k: extra.get(k) for k in MARKS}]
+    if not (others or marked) or add:
+        return kept  # the same stores (an index that goes on), or add: every line kept
+    if overwrite:
+        return {}
+    why = (f"{len(others)} other store(s) (first: {others[0]!r})" if others else
+           f"{len(marked)} of these stores with another split or weight (first: {marked[0]!r}: "
+           f"{ {k: kept[marked[0]].get(k) for k in MARKS} })")
+    raise ConfigError(f"--out={out!r} is a manifest of {why}: add --add to add these stores' lines to it (with this "
+                      f"--split / --weight on them), --overwrite to replace it with these stores' lines alone, or "
+                      f"choose another --out")
+
+
+def _records(url, opts):
+    """{url: record} of the manifest at url (a last line cut short dropped), or None when it is not a manifest (a
+    line that is not a store record before the last, or no record at all)."""
+    try:
+        return {r["url"]: r for r in read_manifest(url, opts, cut_short_ok=True)} or None
+    except DataError:
+        return None
+
+
+def _partial_records(path):
+    """{url: record} of an interrupted index's OUT.partial: its whole lines (what follows the last newline was being
+    written when it stopped), {} when none is whole, None when one of them is not a store record."""
+    with open(path) as f:
+        lines = f.read().split("\n")[:-1]
+    try:
+        return {r["url"]: r for r in parse_lines(path, lines)} if any(x.strip() for x in lines) else {}
+    except DataError:
+        return None
 
 
 def _exists(url, opts):

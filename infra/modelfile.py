@@ -4,7 +4,7 @@ rank count), and everything that reads one back. `python -m scripts.export OUT_D
 
     find_checkpoint(out_dir, tag=None)            -> (ckpt_dir, tag, meta)   ckpt_dir = out_dir/ckpt, meta = COMPLETE
     state_dict_from_checkpoint(out_dir, tag=None) -> (state_dict, meta)      the MAE's full fp32 weights, in memory
-    export(out_dir, tag=None, out=None, encoder_only=False) -> path         the file
+    export(out_dir, tag=None, out=None, encoder_only=False, overwrite=False) -> path   the file
     read_model_file(path, map_location="cpu")     -> (state_dict, meta)      a file's weights, format checked
     load(path_or_obj, map_location="cpu")         -> (model, meta)           the config's MAE with the file's weights
     init_from(model, cfg, log)                    train.py's init_from=PATH (init_source, check_init, warm_start)
@@ -37,7 +37,7 @@ import warnings
 import torch
 
 import configurator
-from infra import checkpoint, distributed
+from infra import checkpoint, distributed, outputs
 from infra.progress import CountingWrites, Progress
 from model import build_model
 
@@ -83,23 +83,28 @@ def find_checkpoint(out_dir, tag=None):
             f"no complete checkpoint in {ckpt_dir}{why}: a checkpoint counts once its COMPLETE marker is written, "
             f"after every rank has saved; train.py writes one every ckpt_interval steps and at the end of a run "
             f"(bash launch.sh CONFIG --out_dir={out_dir}). Give the run's out_dir")
+    torn = checkpoint.torn_checkpoints(ckpt_dir)
     if tag is None:
         _, tag = done[-1]
+        newer = [t for s, t in torn if s > done[-1][0]]
+        if newer:
+            print(f"WARNING: {ckpt_dir}/{newer[-1]}'s COMPLETE marker does not parse (torn since it was written): not "
+                  f"taken; {tag} is the newest complete checkpoint (train.py moves the torn one aside when it resumes)",
+                  file=sys.stderr, flush=True)
     else:
         want = normalise_tag(tag)
         found = [t for s, t in done if s == want]
         if not found:
             there = os.path.isdir(os.path.join(ckpt_dir, f"step_{want:07d}"))
+            why = (" (its COMPLETE marker does not parse: torn since it was written)" if want in dict(torn) else
+                   " (it is there without COMPLETE: its write did not finish)" if there else "")
             raise configurator.ConfigError(
-                f"no complete checkpoint step_{want:07d} in {ckpt_dir}"
-                f"{' (it is there without COMPLETE: its write did not finish)' if there else ''}; "
+                f"no complete checkpoint step_{want:07d} in {ckpt_dir}{why}; "
                 f"complete ones: {', '.join(t for _, t in done)}")
         tag = found[0]
-    try:
-        with open(os.path.join(ckpt_dir, tag, "COMPLETE")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise configurator.ConfigError(f"cannot read {ckpt_dir}/{tag}/COMPLETE: {e}") from None
+    meta = checkpoint.read_marker(os.path.join(ckpt_dir, tag))
+    if meta is None:  # (gone or torn between the listing and now: another process at work in out_dir)
+        raise configurator.ConfigError(f"cannot read {ckpt_dir}/{tag}/COMPLETE any more: is a run moving it? try again")
     return ckpt_dir, tag, {**meta, "tag": tag}
 
 
@@ -219,44 +224,73 @@ def _read_checkpoint(ckpt_dir, tag, meta):
 # 3. the file
 
 
-def export(out_dir, tag=None, out=None, encoder_only=False):
+def export(out_dir, tag=None, out=None, encoder_only=False, overwrite=False):
     """Write the newest complete checkpoint of out_dir (or `tag`) as one model file; returns its path. Default:
     OUT_DIR/model_step_NNNNNNN.pt (..._encoder.pt with encoder_only). The file is written under a temporary name
-    in the same directory, flushed to disk, then renamed over the final name (one atomic step): a crash leaves
-    either no file or the whole file, and an existing file is replaced only by a complete one."""
+    in the same directory, flushed to disk, then renamed over the final name (one atomic step: infra/outputs.py): a
+    crash leaves either no file or the whole file. Where a file is already, it is replaced only when it is a model
+    file exported from the same checkpoint (the same weights again), or, with overwrite, from another one; anything
+    else (a run's log, another kind of file) is never written over. Checked before the checkpoint is read."""
     ckpt_dir, tag, meta = find_checkpoint(out_dir, tag)
+    name = f"model_{tag}{'_encoder' if encoder_only else ''}.pt"
+    out = out or os.path.join(os.path.dirname(os.path.abspath(ckpt_dir)), name)  # out_dir (also if given .../ckpt)
+    if os.path.isdir(out):
+        out = os.path.join(out, name)
+    outputs.refuse_inside(out, [ckpt_dir])  # (the checkpoints' rotation deletes what is in there)
+    outputs.check_folder(out)
+    source = {"ckpt_dir": os.path.abspath(ckpt_dir), "tag": tag}
+    settings = {"checkpoint": source, "config": meta["config"], "step": int(meta["step"]),
+                "encoder_only": bool(encoder_only)}
+    found = outputs.inspect_file(out, made_from, "a model file")
+    if isinstance(found, dict) and found["checkpoint"].get("ckpt_dir") is None:  # exported before sources were
+        found["checkpoint"] = {**found["checkpoint"], "ckpt_dir": source["ckpt_dir"]}  # kept: by config and step
+    outputs.target(out, "a model file", found, settings, overwrite)
     sd, meta = _read_checkpoint(ckpt_dir, tag, meta)
     if encoder_only:
         sd = {k: v for k, v in sd.items() if part(k) == "encoder"}
     else:
         for k in sd:
             part(k)  # every weight accounted for
-    name = f"model_{tag}{'_encoder' if encoder_only else ''}.pt"
-    out = out or os.path.join(os.path.dirname(os.path.abspath(ckpt_dir)), name)  # out_dir (also if given .../ckpt)
-    if os.path.isdir(out):
-        out = os.path.join(out, name)
     obj = {"format": FORMAT, "version": VERSION, "model": sd, "config": meta["config"], "step": int(meta["step"]),
            "encoder_only": bool(encoder_only),
            "source": {"strategy": meta["strategy"], "world": int(meta["world"]), "tag": tag,
-                      "dtype": meta.get("dtype")}}
-    folder = os.path.dirname(os.path.abspath(out))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{os.path.basename(out)}.tmp{os.getpid()}")  # hidden: no glob of *.pt finds it
-    try:
+                      "dtype": meta.get("dtype"), "ckpt_dir": source["ckpt_dir"]}}
+    with outputs.replacing(out) as tmp:
         # the other long part: writing the file (6.4 GB at 1.6 B parameters), counted in bytes as torch.save
         # writes them, of the weights' bytes (the zip's headers come on top, a little per tensor)
         with open(tmp, "wb") as f, Progress(total=sum(t.nbytes for t in sd.values()), desc="export: writing",
                                             unit="B", unit_scale=True) as bar:
             torch.save(obj, CountingWrites(f, bar))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    checkpoint.fsync_dir(folder)  # the rename itself
     return out
+
+
+def made_from(path):
+    """What an existing model file was exported from (export()'s settings: its checkpoint, config, step and whether
+    encoder only), read without its weights (memory-mapped); None for any other file."""
+    obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        return None
+    src = obj.get("source") or {}
+    return {"checkpoint": {"ckpt_dir": src.get("ckpt_dir"), "tag": src.get("tag")}, "config": obj.get("config"),
+            "step": obj.get("step"), "encoder_only": bool(obj.get("encoder_only"))}
+
+
+def identity(path, tag=None):
+    """What a model (a model file, or a run's out_dir: its newest complete checkpoint) is, cheaply (no weight is read):
+    the checkpoint it is or was exported from (with a run's out_dir, `tag` names another than the newest), its step,
+    and a digest of its config. Two models with the same identity
+    hold the same weights: what a command's output records of the model it was made with (scripts/embed.py)."""
+    import hashlib
+    if os.path.isdir(path):
+        ckpt_dir, tag, meta = find_checkpoint(path, tag)
+        rec = {"checkpoint": {"ckpt_dir": os.path.abspath(ckpt_dir), "tag": tag}, "config": meta["config"],
+               "step": meta["step"]}
+    else:
+        read_model_file(path, mmap=True)  # (a file that is not a model file: the one clear error)
+        rec = made_from(path)
+    ck = rec["checkpoint"]
+    return {"checkpoint": f"{ck['ckpt_dir']}/{ck['tag']}" if ck.get("ckpt_dir") else ck.get("tag"), "step": rec["step"],
+            "config": hashlib.sha256(json.dumps(rec["config"], sort_keys=True).encode()).hexdigest()[:16]}
 
 
 # -----------------------------------------------------------------------------
@@ -421,7 +455,8 @@ def init_from(model, cfg, log):
     src = cfg["init_from"]
     check_init(init_source(src)[0], cfg, src)  # before any work: a wrong patch or width
     if os.path.isdir(src):
-        path = distributed.on_rank_0(lambda: export(src, out=os.path.join(cfg["out_dir"], "init_from.pt")))
+        path = distributed.on_rank_0(lambda: export(src, out=os.path.join(cfg["out_dir"], "init_from.pt"),
+                                                     overwrite=True))  # (this run's own copy, whatever it held)
         log(warm_start(model, path, cfg, name=src))
     else:
         log(warm_start(model, src, cfg))

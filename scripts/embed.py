@@ -28,6 +28,15 @@ training; each rank writes its own inline planes. Small windows go through the e
 default as many as hold BATCH_TOKENS tokens per rank), their crops read side by side. Rank 0 draws the central
 inline, crossline and time slices of the features, mapped to RGB by their first three principal components, to
 OUT.png (a local OUT) or NAME.png in the current folder (an s3:// OUT), or --picture.
+
+What it writes over (infra/outputs.py; all checked before any work): nothing but its own. A local OUT is built as
+OUT.partial and renamed to OUT when every window is in, so OUT is whole or absent; on s3:// (no rename) OUT is
+written in place and its root attribute `embed` says `"complete": false` until then. That attribute records what
+made it (the survey, the model's checkpoint, step and config digest, patch, crop, stride, grid, dtype): a run with
+the same goes on from an interrupted one (or finds it complete: nothing to do); one with another model, survey or
+settings is refused unless --overwrite, which makes it anew. OUT inside the survey or the run's checkpoints, and
+anything at OUT that embed did not write (a survey, a folder of yours), are refused, --overwrite or not; the
+picture likewise (a PNG records its settings in a text chunk).
 """
 import argparse
 import json
@@ -40,18 +49,16 @@ import torch
 import torch.distributed as dist
 
 import configurator
-from infra import cli, distributed, modelfile, reader
+from infra import cli, distributed, modelfile, outputs, reader
 from infra.features import BATCH_TOKENS, encode, plan_windows, prepare, token_coords
 from infra.progress import Progress
-from model import token_grid
+from model import build_model, token_grid
 
 
-def pca_picture(features, path, title):
-    """The three central slices of `features` (zarr array, (I, X, T, D)) coloured by the first three principal
-    components of their pooled features (each component stretched over its 1st..99th percentile to 0..1)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def pca_picture(features, title):
+    """The figure of the three central slices of `features` (zarr array, (I, X, T, D)) coloured by the first three
+    principal components of their pooled features (each component stretched over its 1st..99th percentile to 0..1)."""
+    from matplotlib.figure import Figure
     I, X, T, D = features.shape
     slices = [np.asarray(features[I // 2]), np.asarray(features[:, X // 2]), np.asarray(features[:, :, T // 2])]
     flat = np.concatenate([s.reshape(-1, D) for s in slices]).astype(np.float64)
@@ -59,7 +66,8 @@ def pca_picture(features, path, title):
     _, _, vt = np.linalg.svd(flat - mean, full_matrices=False)
     comps = vt[:3]
     lo_hi = [np.percentile((flat - mean) @ c, [1, 99]) for c in comps]
-    fig, axs = plt.subplots(1, 3, figsize=(13, 4.5))
+    fig = Figure(figsize=(13, 4.5), dpi=90)
+    axs = fig.subplots(1, 3)
     for ax, s, name, (xl, yl) in zip(axs, slices, (f"inline {I // 2}", f"crossline {X // 2}", f"time {T // 2}"),
                                      (("crossline", "time"), ("inline", "time"), ("inline", "crossline"))):
         proj = (s.reshape(-1, D).astype(np.float64) - mean) @ comps.T
@@ -69,8 +77,7 @@ def pca_picture(features, path, title):
         ax.set(title=f"{name}", xlabel=f"{xl} (tokens)", ylabel=f"{yl} (tokens)")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    return fig
 
 
 def parse(argv):
@@ -88,6 +95,10 @@ def parse(argv):
                     "local OUT; NAME.png in the current folder for an s3:// OUT)")
     ap.add_argument("--s3_anon", action="store_true")
     ap.add_argument("--s3_endpoint", default="")
+    ap.add_argument("--read_timeout_s", type=float, default=30.0, help="a request not answered by then is retried")
+    ap.add_argument("--read_retries", type=int, default=6, help="retries of a failing request, then an error")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace features this command made with another model, survey or settings")
     ap.add_argument("--stop_after", type=int, default=0, help=argparse.SUPPRESS)  # tests: stop after N windows
     return ap.parse_args(argv)
 
@@ -96,15 +107,12 @@ def main(argv):
     a = parse(argv)
     rank, world, device = distributed.init()  # torchrun's ranks, or a world of 1
     cp = a.cp
+    cli.need(a.batch >= 0, f"--batch={a.batch}: windows per forward pass, >= 1 (0: as many as fit {BATCH_TOKENS:,} tokens)")
     if cp < 1 or world % cp:
         raise configurator.ConfigError(f"--cp={cp} must divide the world size {world}")
     cp_rank, dp_rank, dp, cp_group = distributed.cp_groups(cp)
-    # ---- the encoder
-    path = a.model
-    if os.path.isdir(path):  # a run's out_dir: its newest checkpoint as one model file, by rank 0
-        path = distributed.on_rank_0(lambda: modelfile.export(a.model))
-    model, meta = modelfile.load(path, map_location="cpu")
-    cfg = meta["config"]
+    # ---- what would be written, checked against what is there before any work (rank 0 looks; every rank gets it)
+    cfg = modelfile.init_source(a.model)[0]  # (the model's config, cheaply: no weight is read)
     patch = tuple(cfg["patch"])
     crop = cli.triple(a.crop, "crop") or tuple(cfg["crop"])
     stride = cli.triple(a.stride, "stride") or tuple(max(p, c // 2 // p * p) for c, p in zip(crop, patch))
@@ -113,39 +121,41 @@ def main(argv):
     w = token_grid(crop, patch)  # window in tokens
     if w[0] % cp:
         raise configurator.ConfigError(f"the window's {w[0]} inline tokens do not split over --cp={cp}")
-    prepare(model, crop, cp)
-    model.to(device).eval()
-    model.set_context_parallel(cp_group, "ring")
-    # ---- the survey and the plan
-    opts = reader.ReadOptions(anon=a.s3_anon, endpoint_url=a.s3_endpoint or None)
+    opts = reader.ReadOptions(anon=a.s3_anon, endpoint_url=a.s3_endpoint or None, retries=a.read_retries,
+                              timeout_s=a.read_timeout_s)
     vol = reader.Volume(a.store, opts)
     grid = token_grid(vol.shape, patch)
     wins = plan_windows(grid, w, token_grid(stride, patch))
-    D = model.dim
-    so = reader.storage_options(a.out, opts) if "://" in a.out else None
+    D = build_model(cfg, device="meta").dim
+    source = a.store if outputs.is_remote(a.store) else os.path.abspath(a.store)
+    settings = {"made_by": "scripts.embed", "source": source, "model": modelfile.identity(a.model),
+                "patch": list(patch), "crop": list(crop), "stride": list(stride), "grid": list(grid), "features": D,
+                "dtype": a.dtype}
+    so = reader.storage_options(a.out, opts) if outputs.is_remote(a.out) else None
+    pic = a.picture or (a.out.rstrip("/") + ".png" if not outputs.is_remote(a.out)
+                        else os.path.basename(a.out.rstrip("/")) + ".png")  # s3:// out: the picture stays here
+    work = distributed.on_rank_0(lambda: claim(a, settings, pic, vol, grid, patch, so, opts))
+    if work is None:  # its own output, complete, with these settings: nothing to do
+        if rank == 0:
+            print(f"{a.out} already holds these features, complete (the same survey, model and settings): nothing to "
+                  f"do (--overwrite does not redo it; remove it to)", file=sys.stderr)
+            print(json.dumps({"windows": len(wins), "grid": list(grid), "features": D, "out": a.out, "picture": pic,
+                              "already_complete": True}))
+        dist.destroy_process_group()
+        return 0
+    # ---- the encoder
+    path = a.model
+    if os.path.isdir(path):  # a run's out_dir: its newest checkpoint as one model file, by rank 0
+        tag = os.path.basename(settings["model"]["checkpoint"])  # (the one checked: a run may write newer ones)
+        path = distributed.on_rank_0(lambda: modelfile.export(a.model, tag=tag))
+    model, meta = modelfile.load(path, map_location="cpu")
+    prepare(model, crop, cp)
+    model.to(device).eval()
+    model.set_context_parallel(cp_group, "ring")
     import zarr
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.sync import sync
-    if rank == 0:
-        root = zarr.open_group(a.out, mode="a", zarr_format=3, storage_options=so)
-        if "features" not in root:
-            coords = token_coords(vol, grid, patch, opts)
-            root.attrs.update({"source": a.store, "model": os.path.basename(str(path)), "step": meta.get("step"),
-                               "patch": list(patch), "crop": list(crop), "stride": list(stride), "grid": list(grid),
-                               "description": "MAE encoder features (every token visible, no cls), scripts/embed.py"})
-            root.create_array("features", shape=grid + (D,), chunks=(1, min(grid[1], 32), min(grid[2], 32), D),
-                              dtype=a.dtype, fill_value=0, dimension_names=["inline", "crossline", "time", "feature"])
-            for n in ("inline", "crossline", "time"):
-                c = root.create_array(n, shape=(len(coords[n]),), chunks=(len(coords[n]),), dtype="float64",
-                                      dimension_names=[n])
-                c[:] = coords[n]
-            f = root.create_array("feature", shape=(D,), chunks=(D,), dtype="int32", dimension_names=["feature"])
-            f[:] = np.arange(D, dtype=np.int32)
-        elif tuple(root["features"].shape) != grid + (D,) or root.attrs.get("stride") != list(stride):
-            raise configurator.ConfigError(f"{a.out} holds features of another survey, model or stride "
-                                           f"({root['features'].shape}, stride {root.attrs.get('stride')}): use a new --out")
-    dist.barrier()
-    root = zarr.open_group(a.out, mode="r+", storage_options=so)
+    root = zarr.open_group(work, mode="r+", storage_options=so)
     feats, store = root["features"], root.store
     proto = default_buffer_prototype()
 
@@ -205,13 +215,109 @@ def main(argv):
     dist.all_reduce(rate)
     dist.barrier()
     if rank == 0:
-        pic = a.picture or (a.out.rstrip("/") + ".png" if "://" not in a.out
-                            else os.path.basename(a.out.rstrip("/")) + ".png")  # s3:// out: the picture stays here
-        pca_picture(feats, pic, f"{a.store}: encoder features, first 3 principal components")
+        finish(a.out, work, settings, so)
+        feats = zarr.open_group(a.out, mode="r", storage_options=so)["features"]
+        fig = pca_picture(feats, f"{a.store}: encoder features, first 3 principal components")
+        outputs.save_figure(fig, pic, settings)
         print(json.dumps({"windows": len(wins), "grid": list(grid), "features": D, "out": a.out, "picture": pic,
                           "batch": batch, "tokens_per_s": round(rate.item(), 1)}))
     dist.destroy_process_group()
     return 0
+
+
+def recorded(path, so):
+    """What is at the features store `path`: None (nothing, or an empty folder), embed's record of it (its settings and
+    whether it is complete: the root's "embed" attribute), or outputs.Foreign."""
+    import zarr
+    if outputs.is_remote(path):
+        import fsspec
+        fs, p = fsspec.url_to_fs(path, **so)
+        if not fs.exists(p):
+            return None
+    elif not os.path.lexists(path) or (os.path.isdir(path) and not os.listdir(path)):
+        return None
+    try:
+        rec = zarr.open_group(path, mode="r", storage_options=so).attrs.get("embed")
+    except Exception:  # noqa: BLE001 - not a Zarr group: a file, a survey's array, anything
+        rec = None
+    return dict(rec) if isinstance(rec, dict) else outputs.Foreign("not a features store of scripts.embed")
+
+
+def claim(a, settings, pic, vol, grid, patch, so, opts):
+    """Rank 0, before any work: where this run writes (the store to open), or None when --out already holds these
+    features complete. Local: the store is built at OUT.partial and renamed to OUT when complete (finish), so OUT is
+    whole or absent; an interrupted run's OUT.partial with the same settings is gone on from. On an object store
+    (no rename) it is OUT itself, its "embed" attribute saying complete: false until the last window is in. A store
+    made with another model, survey or settings is refused unless --overwrite (then made anew); anything else at
+    OUT (a survey, a folder of the user's) is never written over, and OUT may not lie inside the survey or the run
+    (infra/outputs.py). The picture's path is checked the same way."""
+    inputs = [a.store, os.path.join(a.model, "ckpt") if os.path.isdir(a.model) else a.model]
+    outputs.refuse_inside(a.out, inputs)
+    outputs.refuse_inside(pic, inputs, "--picture")
+    remote = outputs.is_remote(a.out)
+    if not remote:
+        outputs.check_folder(a.out)
+    outputs.check_folder(pic, "--picture")
+    found = recorded(a.out, so)
+    how = outputs.target(a.out, "a features store", found, settings, a.overwrite)
+    outputs.figure_target(pic, settings, a.overwrite, "--picture", "scripts.embed")
+    if how == "same" and found.get("complete", True):
+        return None
+    import shutil
+    work = a.out if remote else a.out.rstrip("/") + ".partial"
+    if remote and how == "replace":
+        import fsspec
+        fs, p = fsspec.url_to_fs(a.out, **so)
+        fs.rm(p, recursive=True)  # (this command's own store, of other settings: --overwrite)
+    if not remote:
+        part = recorded(work, so)
+        if outputs.target(work, "an interrupted features store", part, settings, a.overwrite,
+                          "--out (its interrupted run)") == "replace":
+            shutil.rmtree(work)
+    create(work, settings, vol, grid, patch, so, opts)
+    return work
+
+
+def create(work, settings, vol, grid, patch, so, opts):
+    """The features store at `work`, unless it is there (an interrupted run of the same settings)."""
+    import zarr
+    root = zarr.open_group(work, mode="a", zarr_format=3, storage_options=so)
+    if "features" in root:
+        return
+    D = settings["features"]
+    coords = token_coords(vol, grid, patch, opts)
+    root.attrs.update({"source": settings["source"], "model": settings["model"]["checkpoint"],
+                       "step": settings["model"]["step"], "patch": list(patch), "crop": settings["crop"],
+                       "stride": settings["stride"], "grid": list(grid),
+                       "description": "MAE encoder features (every token visible, no cls), scripts/embed.py"})
+    root.create_array("features", shape=grid + (D,), chunks=(1, min(grid[1], 32), min(grid[2], 32), D),
+                      dtype=settings["dtype"], fill_value=0, dimension_names=["inline", "crossline", "time", "feature"])
+    for n in ("inline", "crossline", "time"):
+        c = root.create_array(n, shape=(len(coords[n]),), chunks=(len(coords[n]),), dtype="float64",
+                              dimension_names=[n])
+        c[:] = coords[n]
+    f = root.create_array("feature", shape=(D,), chunks=(D,), dtype="int32", dimension_names=["feature"])
+    f[:] = np.arange(D, dtype=np.int32)
+    root.attrs["embed"] = {**settings, "complete": False}  # last: a store without it is not one to go on from
+
+
+def finish(out, work, settings, so):
+    """Rank 0, every window written: the store marked complete, and (local) OUT.partial renamed to OUT, over the
+    store of other settings that --overwrite replaces (moved aside first, removed after)."""
+    import shutil
+
+    import zarr
+    zarr.open_group(work, mode="r+", storage_options=so).attrs["embed"] = {**settings, "complete": True}
+    if work == out:
+        return
+    aside = None
+    if os.path.lexists(out):
+        aside = f"{out.rstrip('/')}.replaced{os.getpid()}"
+        os.replace(out, aside)
+    os.replace(work, out)
+    outputs.fsync_dir(os.path.dirname(os.path.abspath(out)))
+    if aside:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 if __name__ == "__main__":

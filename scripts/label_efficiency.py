@@ -31,12 +31,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-import configurator
 import data
-from infra import cli, modelfile, synthetic
+from infra import cli, modelfile, outputs, synthetic
 from infra.plan import table
 from infra.progress import Progress
-from model import seg_loss
+from model import MODELS, seg_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -147,6 +146,51 @@ def scores(prob, label):
     return {"iou": float(tp / max(1, tp + fp + fn)), "dice": float(2 * tp / max(1, 2 * tp + fp + fn)), "ap": ap}
 
 
+def check_options(a):
+    """Every option checked before any work (one `error:` line naming it and the fix); returns the label counts."""
+    try:
+        counts = [int(n) for n in a.labels.split(",")]
+    except ValueError:
+        counts = []
+    cli.need(counts and min(counts) >= 1, f"--labels={a.labels!r}: labelled volumes per fine-tuning, positive "
+                                          f"integers separated by commas, e.g. --labels=1,4")
+    for name, least in (("seeds", 1), ("seed", 0), ("patch", 1), ("crop", 1), ("shape", 1), ("unlabelled", 1),
+                        ("test", 1), ("pretrain_steps", 1), ("finetune_steps", 1), ("batch", 1), ("warmup", 0)):
+        cli.need(getattr(a, name) >= least, f"--{name}={getattr(a, name)} must be >= {least}")
+    for name in ("lr", "pos_weight"):
+        cli.need(math.isfinite(getattr(a, name)) and getattr(a, name) > 0, f"--{name}={getattr(a, name)} must be > 0")
+    cli.need(a.model_size in MODELS, f"--model_size={a.model_size!r}: one of {list(MODELS)}")
+    cli.need(not (a.shape % a.crop or a.crop % a.patch or a.crop % 4),
+             f"--shape={a.shape} must be a multiple of --crop={a.crop}, itself a multiple of --patch={a.patch} and of "
+             f"4 (the U-Net's two poolings)")
+    return counts
+
+
+SETTINGS = ("shape", "crop", "patch", "model_size", "unlabelled", "test", "pretrain_steps", "finetune_steps", "batch",
+            "lr", "warmup", "pos_weight", "seed")  # what the stores and runs in --out depend on (--labels and --seeds
+#                                                   only add runs: a folder with more or fewer is gone on from)
+
+
+def claim_folder(a):
+    """--out: a new folder, or an earlier table's with the same settings (its stores and finished runs are reused;
+    train.py resumes a run that was interrupted), recorded in OUT/label_efficiency.json. Another table's is refused
+    unless --overwrite (then emptied of what this command wrote there); any other non-empty folder, never."""
+    import shutil
+    outputs.check_dir(a.out, "--out")
+    record = os.path.join(a.out, "label_efficiency.json")
+    settings = {k: getattr(a, k) for k in SETTINGS}
+    found = None
+    if os.path.isdir(a.out) and os.listdir(a.out):
+        found = outputs.inspect_file(record, lambda p: json.load(open(p)), "a record of label_efficiency")
+        found = found if isinstance(found, dict) else outputs.Foreign("a folder label_efficiency did not make")
+    if outputs.target(a.out, "label_efficiency's stores and runs", found, settings, a.overwrite) == "replace":
+        shutil.rmtree(a.out)
+    os.makedirs(a.out, exist_ok=True)
+    with outputs.replacing(record) as tmp, open(tmp, "w") as f:
+        json.dump(settings, f)
+    return a.out
+
+
 def main(argv):
     ap = argparse.ArgumentParser(prog="python -m scripts.label_efficiency", description=__doc__.split("\n")[1])
     # 1 and 4 by default: the table in ~20 min on 2 CPU cores (docs/after_training.md); --labels=1,2,4,8 doubles it
@@ -165,17 +209,16 @@ def main(argv):
     ap.add_argument("--lr", type=float, default=1e-3, help="peak lr of every fine-tuning (pretraining: 1.5e-3)")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--pos_weight", type=float, default=3.0)
-    ap.add_argument("--out", default="", help="keep the stores and runs here (default: a temporary folder)")
+    ap.add_argument("--out", default="", help="keep the stores and runs here (default: a temporary folder); a folder "
+                    "of an earlier table with the same settings is gone on from")
+    ap.add_argument("--overwrite", action="store_true", help="--out holds a table of other settings: make it anew")
     ap.add_argument("--quick", action="store_true", help="a small table in a minute or two (the tests)")
     a = ap.parse_args(argv)
     if a.quick:
         a.labels, a.seeds, a.shape, a.crop, a.unlabelled, a.test = "1", 2, 32, 16, 2, 1
         a.pretrain_steps, a.finetune_steps, a.warmup = 20, 10, 2
-    counts = [int(n) for n in a.labels.split(",")]
-    if a.shape % a.crop or a.crop % a.patch or a.crop % 4:
-        raise configurator.ConfigError(f"--shape={a.shape} must be a multiple of --crop={a.crop}, itself a multiple of "
-                              f"--patch={a.patch} and of 4 (the U-Net's two poolings)")
-    root = a.out or tempfile.mkdtemp(prefix="label_efficiency_")
+    counts = check_options(a)
+    root = claim_folder(a) if a.out else tempfile.mkdtemp(prefix="label_efficiency_")
     shape, t0 = (a.shape,) * 3, time.time()
     base = 100_000 + 1000 * a.seed  # volume seeds: unlabelled, test and each draw's labelled ones never overlap
     unlabelled = stores(root, "unlabelled", a.unlabelled, shape, base)

@@ -31,7 +31,6 @@ import sys
 import numpy as np
 import torch
 
-import configurator
 from infra import cli, modelfile, synthetic
 from infra.features import features_of
 from infra.plan import table
@@ -102,18 +101,19 @@ def main(argv):
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     shape = cli.triple(a.shape, "shape")
-    if not 1 <= a.test < a.volumes:
-        raise configurator.ConfigError(f"--test={a.test} must leave training volumes out of --volumes={a.volumes}")
-    if a.repeats < 1:
-        raise configurator.ConfigError(f"--repeats={a.repeats}: at least one draw is needed")
+    cli.need(1 <= a.test < a.volumes, f"--test={a.test} must be >= 1 and leave training volumes out of "
+                                      f"--volumes={a.volumes}")
+    cli.need(a.repeats >= 1, f"--repeats={a.repeats}: at least one draw is needed")
+    cli.need(a.steps >= 1, f"--steps={a.steps}: the head needs at least one step")
+    cli.need(a.n_faults >= 1, f"--n_faults={a.n_faults}: the volumes need at least one fault to segment")
+    cli.need(a.seed >= 0, f"--seed={a.seed}: seeds are >= 0")
+    crop = tuple(modelfile.init_source(a.model)[0]["crop"])  # (its config alone: nothing is read or written yet)
+    cli.need(all(s >= c for s, c in zip(shape, crop)), f"--shape {shape} is smaller than the model's crop {crop}")
     path = a.model
     if os.path.isdir(path):
         path = modelfile.export(a.model)  # its newest checkpoint as one model file, beside it
     trained, meta = modelfile.load(path)
     cfg = meta["config"]
-    crop = tuple(cfg["crop"])
-    if any(s < c for s, c in zip(shape, crop)):
-        raise configurator.ConfigError(f"--shape {shape} is smaller than the model's crop {crop}")
     scores = {"pretrained": [], "random": []}  # per repeat: (test IoU, train IoU, threshold)
     fraction = []
     # progress on stderr (infra/progress.py): each volume through an encoder and each step of a head count one,

@@ -34,7 +34,8 @@ import torch
 import configurator
 import data
 import model as M
-from infra import cli, library, modelfile, reader
+import train
+from infra import cli, library, modelfile, outputs, reader
 from infra.evaluate import centre_parts, figure_title, join_parts, recon_figure, voxel_views
 from infra.plan import activation_bytes
 from model import build_model, token_grid
@@ -71,7 +72,12 @@ def main(argv):
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--s3_anon", action="store_true")
     ap.add_argument("--s3_endpoint", default="")
+    ap.add_argument("--read_timeout_s", type=float, default=30.0, help="a request not answered by then is retried")
+    ap.add_argument("--read_retries", type=int, default=6, help="retries of a failing request, then an error")
+    ap.add_argument("--overwrite", action="store_true", help="replace a figure of reconstruct made otherwise")
     a = ap.parse_args(argv)
+    cli.need(a.seed >= 0, f"--seed={a.seed}: seeds are >= 0")
+    cli.need(a.read_timeout_s > 0 and a.read_retries >= 0, "--read_timeout_s must be > 0 and --read_retries >= 0")
     # ---- the model: a file, or a run's checkpoint exported in memory
     if os.path.isdir(a.model):
         sd, meta = modelfile.state_dict_from_checkpoint(a.model, a.tag)
@@ -97,8 +103,7 @@ def main(argv):
     if len(crop) != 3 or any(c % p for c, p in zip(crop, cfg["patch"])):
         raise configurator.ConfigError(f"crop {crop} must be 3 multiples of the model's patch {cfg['patch']}")
     mask_ratio = cfg["mask_ratio"] if a.mask_ratio is None else a.mask_ratio
-    if not 0 < mask_ratio < 1:
-        raise configurator.ConfigError(f"mask_ratio must be in (0, 1), got {mask_ratio}")
+    train.check_masking({"mask_ratio": mask_ratio, "crop": crop, "patch": cfg["patch"]})  # (what training refuses)
     # one process: the run's mask strata are kept (cp = 1 draws the same masks as any cp, see model.py)
     strata = cfg.get("mask_strata") or cfg.get("cp", 1)
     grid = token_grid(crop, cfg["patch"])
@@ -122,7 +127,8 @@ def main(argv):
 
     # ---- the crop
     opts = reader.ReadOptions(anon=a.s3_anon or cfg.get("s3_anon", False),
-                            endpoint_url=a.s3_endpoint or cfg.get("s3_endpoint") or None)
+                              endpoint_url=a.s3_endpoint or cfg.get("s3_endpoint") or None, retries=a.read_retries,
+                              timeout_s=a.read_timeout_s)
     first = library.expand(cfg["data_paths"][:1], opts)[0] if not a.data else None  # (a glob or a @manifest too)
     store = a.data or (first["url"] if isinstance(first, dict) else first)
     vol = reader.Volume(store, opts)
@@ -141,6 +147,19 @@ def main(argv):
     if len(origin) != 3 or any(o < 0 or o + c > s for o, c, s in zip(origin, crop, vol.shape)):
         raise data.DataError(f"a crop {crop} at origin {origin} is outside the volume {vol.shape} of {store!r}: the "
                              f"origin must lie in [0, {tuple(s - c for s, c in zip(vol.shape, crop))}] per axis")
+    # ---- the figure's path, checked before any work: a figure of reconstruct made otherwise is replaced only with
+    # --overwrite, anything else there never; the default is the run's figures/ folder (or the model file's folder)
+    default = not a.out
+    out = a.out or os.path.join(a.model if os.path.isdir(a.model) else os.path.dirname(os.path.abspath(a.model)),
+                                "figures", f"reconstruct_step_{meta['step']}_{'_'.join(map(str, origin))}.png")
+    record = {"made_by": "scripts.reconstruct", "model": modelfile.identity(a.model, a.tag),
+              "data": store if outputs.is_remote(store) else os.path.abspath(store), "origin": list(origin),
+              "crop": list(crop), "mask_ratio": mask_ratio, "seed": a.seed}
+    outputs.refuse_inside(out, [store, os.path.join(a.model, "ckpt") if os.path.isdir(a.model) else a.model])
+    if default:
+        os.makedirs(os.path.dirname(out), exist_ok=True)  # (its own folder: the run's figures/)
+    outputs.check_folder(out)
+    outputs.figure_target(out, record, a.overwrite, made_by="scripts.reconstruct")
     x = torch.from_numpy(vol.read(origin, crop))[None, None].to(device)  # (1, 1, Z, Y, X), normalised
 
     # ---- mask, forward, error
@@ -154,11 +173,9 @@ def main(argv):
     mse = loss.item()
     xs, rs, ms = voxel_views(model, x, pred, mask)
     slices = join_parts([centre_parts(xs, rs, ms, 0, crop[0])])
-    out = a.out or os.path.join(a.model if os.path.isdir(a.model) else os.path.dirname(os.path.abspath(a.model)),
-                                "figures", f"reconstruct_{'_'.join(map(str, origin))}.png")
     title = figure_title(f"{what} on {os.path.basename(store.rstrip('/'))}, crop {crop} at {origin}", meta["step"],
                          mse, 1 - model.n_keep() / model.L, model.norm_pix_loss)
-    recon_figure(out, slices, origin, title)
+    recon_figure(out, slices, origin, title, record)
     extra = f" (in voxel units after de-normalising: {vox_mse:.4f})" if model.norm_pix_loss else ""
     print(f"masked MSE {mse:.6f}{extra} over {model.L - model.n_keep()} masked patches of {model.L}; crop {crop} at "
           f"{origin} of {store}; figure {out}")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import configurator
 import data
 from infra import reader
 from infra import library
@@ -65,9 +66,11 @@ def test_index_goes_on_where_it_stopped(lib, tmp_path):
     assert len(seen) == 1 and str(lib / "c.mdio") in seen[0], seen
     assert sorted(manifest.read_text().splitlines()) == sorted(full)
     assert [r["url"] for r in records] == [json.loads(x)["url"] for x in full]
-    # marking a store already indexed: its line changes, nothing is opened
+    # marking a store already indexed: its line changes, nothing is opened (the manifest's other lines kept: add)
     seen.clear()
-    library.index([str(lib / "c.mdio")], out=str(manifest), extra={"split": "val"}, log=seen.append)
+    with pytest.raises(configurator.ConfigError, match="is a manifest of 2 other store"):
+        library.index([str(lib / "c.mdio")], out=str(manifest), extra={"split": "val"}, log=seen.append)
+    library.index([str(lib / "c.mdio")], out=str(manifest), extra={"split": "val"}, log=seen.append, add=True)
     lines = {json.loads(x)["url"]: json.loads(x) for x in manifest.read_text().splitlines()}
     assert not seen and lines[str(lib / "c.mdio")]["split"] == "val" and "split" not in lines[str(lib / "a.mdio")]
 

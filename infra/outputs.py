@@ -1,0 +1,227 @@
+"""
+What a command writes: whole or not at all, and never over what it did not write.
+
+    refuse_inside(out, inputs, option)          an output equal to or inside one of the command's inputs: refused
+    target(path, what, found, settings, overwrite, option)  -> "new" | "same" | "replace", or refused
+    inspect_file(path, read)                    what `found` is for a local file: None, Foreign(...) or its record
+    check_folder(path, option)                  a local output's folder exists and takes files
+    replacing(path) as tmp                      a file written under a temporary name beside path, then renamed
+    save_figure(fig, path, record)              a PNG written so, with `record` in a text chunk; figure_record()
+    fsync_dir(path), fsync_tree(path)           flushed to disk: entries, files
+
+Every command that writes a file or a store asks target() first, before any work: export's model file, the library
+index's manifest, embed's features store and picture, reconstruct's figure, label_efficiency's folder. The rules,
+for the path a user gives (or a command's default):
+  * nothing there (or an empty file or folder): it is written;
+  * this command's own output, made from the same inputs with the same settings (what the output records of
+    itself: a model file its checkpoint, a manifest its stores, a features store its attributes, a figure a PNG
+    text chunk): "same", resumed or replaced as the command documents;
+  * its own output made from other inputs or settings: refused, one line naming the difference, unless --overwrite
+    ("replace");
+  * anything else (a run's log.jsonl, a survey, a folder of the user's): refused, with --overwrite too. A command
+    never replaces what it did not write; --overwrite only lets it replace its own kind of output.
+refuse_inside() refuses an output at or inside an input (a survey store, a run's checkpoints): writing there would
+change what is being read. A local output whose folder does not exist is refused too (a typo'd folder must not
+quietly become a new one), unless the command makes its own default folder.
+
+A file is written under a hidden temporary name beside it (.NAME.tmpPID: no glob of *.pt or *.png finds it),
+flushed, and renamed over the target, one atomic step: a crash leaves the old file or the new one, never half of
+either, and a failed write removes its temporary. A store that is resumed (embed's) is built under NAME.partial
+and renamed when complete (on an object store, which has no rename, in place: scripts/embed.py says how).
+"""
+import contextlib
+import errno
+import json
+import os
+
+from configurator import ConfigError
+
+
+class Foreign(str):
+    """What a path holds when it is not the command's own output: a description ("a folder", "a file that is not a
+    model file"), for the refusal."""
+
+
+def is_remote(path):
+    """An object-store or other fsspec URL (s3://...), not a local path (file:// is local)."""
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
+def local(path):
+    return str(path)[len("file://"):] if str(path).startswith("file://") else str(path)
+
+
+def _norm(path):
+    """A path to compare: local ones resolved (symbolic links, .., relative to here), URLs without trailing '/'."""
+    return str(path).rstrip("/") if is_remote(path) else os.path.realpath(local(path))
+
+
+def refuse_inside(out, inputs, option="--out"):
+    """ConfigError if `out` is one of `inputs` or lies inside one (stores are folders: out would be written into it)."""
+    o = _norm(out)
+    for i in inputs:
+        if not i:
+            continue
+        n = _norm(i)
+        if o == n or o.startswith(n.rstrip("/") + "/"):
+            raise ConfigError(f"{option}={out!r} is {'the input' if o == n else 'inside the input'} {i!r}: nothing is "
+                              f"ever written into what is being read; choose a path outside it")
+
+
+def check_folder(path, option="--out"):
+    """A local output's folder must exist and take files: ConfigError naming the folder and the fix otherwise."""
+    folder = os.path.dirname(os.path.abspath(local(path)))
+    if not os.path.isdir(folder):
+        up = folder
+        while up and not os.path.exists(up):
+            up = os.path.dirname(up)
+        if up and not os.path.isdir(up):
+            raise ConfigError(f"{option}={path!r} lies under {up!r}, which is a file, not a folder: choose another path")
+        raise ConfigError(f"{option}={path!r}: the folder {folder!r} does not exist: create it first (mkdir -p "
+                          f"{folder}), or correct the path")
+    if not os.access(folder, os.W_OK | os.X_OK) or _read_only(folder):
+        raise ConfigError(f"{option}={path!r}: the folder {folder!r} is read-only here: choose a writable place")
+
+
+def check_dir(path, option="out_dir"):
+    """A folder a run writes into (train.py's out_dir, label_efficiency's --out): a local path (or a shared file
+    system's), existing as a folder or creatable, writable. ConfigError naming the problem and the fix otherwise."""
+    if not str(path).strip():
+        raise ConfigError(f"{option} is empty: give the folder to write into, e.g. --{option.lstrip('-')}=out/run1")
+    if is_remote(path):
+        raise ConfigError(f"{option}={path!r}: checkpoints and logs are written to a file system (local, or one every "
+                          f"node shares: FSx for Lustre, NFS), not to an object store; give a path")
+    p = os.path.abspath(local(path))
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise ConfigError(f"{option}={path!r} is a file, not a folder: give a folder (it is created if need be)")
+    up = p
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):
+        raise ConfigError(f"{option}={path!r} lies under {up!r}, which is a file, not a folder: give another path")
+    if not os.access(up, os.W_OK | os.X_OK) or _read_only(up):
+        where = "" if up == p else f" (its nearest existing folder {up!r} is)"
+        raise ConfigError(f"{option}={path!r} is read-only here{where}: point {option} at writable storage")
+
+
+def _read_only(path):
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+
+
+def inspect_file(path, read, what):
+    """What a local file target holds: None (nothing, or an empty file), the record read(path) returns for this
+    command's own output (`what`, e.g. "a model file"), or Foreign(what it is) when read(path) gives None or fails."""
+    path = local(path)
+    if not os.path.lexists(path):
+        return None
+    if os.path.isdir(path):
+        return Foreign("a folder") if os.listdir(path) else None
+    if os.path.getsize(path) == 0:
+        return None  # (an empty file: nothing to lose)
+    try:
+        record = read(path)
+    except Exception:  # noqa: BLE001 - whatever the file is, it is not this command's output
+        record = None
+    return Foreign(f"a file that is not {what}") if record is None else record
+
+
+def target(path, what, found, settings, overwrite=False, option="--out"):
+    """May a command write its output (`what`, e.g. "a model file") at `path`? found: what is there (None, Foreign,
+    or the settings the output there records); settings: what this run would record. Returns "new" (nothing
+    there), "same" (its own output with these settings: resume or replace, as the command documents) or "replace"
+    (its own output made otherwise, and --overwrite); raises ConfigError (one line) in every other case."""
+    if found is None:
+        return "new"
+    if isinstance(found, Foreign):
+        raise ConfigError(f"{option}={path!r} exists and is {found}: a command never writes over what it did not "
+                          f"write (with --overwrite neither); choose another path, or move that one away yourself")
+    differ = [k for k in settings if _plain(found.get(k)) != _plain(settings[k])]
+    if not differ:
+        return "same"
+    if overwrite:
+        return "replace"
+    shown = "; ".join(f"{k} {_short(found.get(k))}, not {_short(settings[k])}" for k in differ[:3])
+    raise ConfigError(f"{option}={path!r} holds {what} made with other inputs or settings ({shown}): choose another "
+                      f"path, or add --overwrite to replace it")
+
+
+def _plain(v):
+    return json.loads(json.dumps(v, default=str))  # tuples as lists, as a record read back has them
+
+
+def _short(v):
+    s = repr(_plain(v))
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def fsync_dir(path):
+    """Flush a directory's entries (new names, renames). Some network file systems refuse fsync on a
+    directory (EINVAL): they commit entries on their own, so that is not an error."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path):
+    """Flush every file under `path`, then every directory's entries."""
+    for root, _, names in os.walk(path):
+        for name in names:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
+@contextlib.contextmanager
+def replacing(path):
+    """with replacing(path) as tmp: write the file `tmp` (its folder is path's); when the block ends without an
+    error, tmp is flushed and renamed over path (atomically), else removed. Crash-safe: path is the old file or the
+    new one, never a part of either."""
+    path = local(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    fsync_dir(folder)  # the rename itself
+
+
+PNG_KEY = "seismic-mae"  # the text chunk a figure's record is kept in
+
+
+def save_figure(fig, path, record=None, **kw):
+    """fig.savefig as a PNG at path, whole or not at all (replacing), with `record` (a dict: what made it) in a PNG
+    text chunk that figure_record() reads back."""
+    meta = {PNG_KEY: json.dumps(record, default=str)} if record is not None else None
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format="png", metadata=meta, **kw)
+
+
+def figure_record(path):
+    """The record save_figure() wrote into the PNG at path, or None (not a PNG, or one without it)."""
+    from PIL import Image  # (matplotlib's own dependency: figures need it anyway)
+    with Image.open(path) as im:
+        text = getattr(im, "text", {}).get(PNG_KEY)
+    return json.loads(text) if text else None
+
+
+def figure_target(path, settings, overwrite=False, option="--out", made_by=""):
+    """target() for a PNG figure of a command: its record is the PNG's text chunk; `made_by` one of its settings."""
+    what = f"a figure of {made_by or 'this command'}"
+    return target(path, what, inspect_file(path, figure_record, what), settings, overwrite, option)
