@@ -321,7 +321,8 @@ def samplers(cfg, cp_rank, dp_rank, dp_size, log):
         # rank 0 writes the synthetic store while the others wait. Only to a local path: at a remote one it only
         # looks, with these options (the run's endpoint), and a missing store is a ConfigError on every rank
         distributed.on_rank_0(lambda: synthetic.ensure_synthetic(
-            cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"], chunks=cfg["synthetic_chunks"], opts=opts))
+            cfg["data_paths"][0], cfg["synthetic_shape"], seed=cfg["seed"], chunks=cfg["synthetic_chunks"], opts=opts,
+            log=log))
     t0 = time.time()
     stores, val_stores = distributed.on_rank_0(
         lambda: (library.index(cfg["data_paths"], opts, in_flight=cfg["in_flight"]),

@@ -37,7 +37,8 @@
 # THREADS (CPU threads per rank), PYTHON (interpreter; default python3 on PATH), PORT (rendezvous, 29500),
 # LOG_DIR (per-node logs, default logs/), SSH_OPTS (extra ssh options in hostfile mode, e.g. "-p 2222"),
 # HYPERPOD (1/0: SageMaker HyperPod's srun --auto-resume; default: 1 where /opt/sagemaker_cluster exists),
-# REQUEUE (1: sbatch --requeue, and a job stopped by its time-limit warning requeues itself; default 0).
+# REQUEUE (1: sbatch --requeue, and a job stopped by its time-limit warning requeues itself; default 0). Each is
+# checked first: a bad value is one error line.
 set -euo pipefail
 NODE=0
 if [ "${1:-}" = "--node" ]; then NODE=1; shift; fi  # started by launch.sh itself on one node (see above)
@@ -65,6 +66,27 @@ if [[ "$PYTHON" != /* ]]; then
 fi
 PORT=${PORT:-29500}
 LOG_DIR=${LOG_DIR:-logs}
+# the knobs, checked before anything runs: a bad one is one line naming it and what it takes
+whole() {  # NAME VALUE LEAST [MOST]: a whole number in range, or the error line
+  if ! [[ "$2" =~ ^[0-9]+$ ]] || [ "$((10#$2))" -lt "$3" ] || { [ -n "${4:-}" ] && [ "$((10#$2))" -gt "$4" ]; }; then
+    echo "error: $1='$2' must be a whole number >= $3${4:+ and <= $4} (see the knobs at the top of launch.sh)" >&2
+    exit 2
+  fi
+}
+if [ -n "${NPROC:-}" ]; then whole NPROC "$NPROC" 1; NPROC=$((10#$NPROC)); fi
+if [ -n "${THREADS:-}" ]; then whole THREADS "$THREADS" 1; THREADS=$((10#$THREADS)); fi
+whole PORT "$PORT" 1 65535
+for knob in DRY_RUN REQUEUE HYPERPOD; do
+  case "${!knob:-0}" in 0|1) ;; *) echo "error: $knob='${!knob}' must be 1 or 0" >&2; exit 2 ;; esac
+done
+if [ -n "${HOSTFILE:-}" ] && { [ ! -f "$HOSTFILE" ] || [ ! -r "$HOSTFILE" ] || ! grep -qv '^\s*\(#\|$\)' "$HOSTFILE"; }; then
+  echo "error: HOSTFILE='$HOSTFILE' is not a readable file listing hosts (one per line, the first the head; # comments)" >&2
+  exit 2
+fi
+if [ -e "$LOG_DIR" ] && [ ! -d "$LOG_DIR" ]; then
+  echo "error: LOG_DIR='$LOG_DIR' is a file, not a folder: set LOG_DIR to a folder for the per-node logs" >&2
+  exit 2
+fi
 NGPU=0
 if command -v nvidia-smi >/dev/null 2>&1; then
   NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
@@ -152,25 +174,41 @@ node_cmd() {  # $1 = head address, then train.py's arguments
 # one signal twice, and a repeat cuts torchrun's shutdown short. The ranks install their own handlers (they ignore
 # repeats); this script forwards each signal to them. (An older torchrun handles SIGTERM whatever it inherits: the
 # ranks then have 30 s for their checkpoint. SIGUSR1, SLURM's time-limit warning, stays theirs in every version.)
+# Ctrl-C (SIGINT) is a stop too: torchrun ignores it (with it, it would pass it on and kill the ranks 30 s later) and
+# so do the ranks until train.py's handler is in place; this script passes each Ctrl-C to the ranks once (they run
+# in sessions of their own, out of the terminal's reach): the first stops at the next step boundary with a
+# checkpoint, a second at once; either way the last line says where the run stands, and this script dies of the
+# SIGINT (exit code 130 to the shell, and a shell loop around it stops too).
 run_ranks() {  # the torchrun command line
   rm -f "$OUT_DIR/STOPPED"  # the ranks write it after a stop's checkpoint is complete
   MAE_ERROR_FILE=$(mktemp "${TMPDIR:-/tmp}/mae_errors.XXXXXX")  # each failing rank appends its first line
   export MAE_ERROR_FILE MAE_LAUNCHER=launch.sh  # (under launch.sh a rank that stopped cleanly exits 0, not 75)
-  export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
-  ( trap '' TERM USR1; exec "$@" ) &
+  export PET_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT
+  INTS=0
+  ( trap '' TERM USR1 INT; exec "$@" ) &
   local pid=$! rc=0 first
   # shellcheck disable=SC2064  # the pid, now
   trap "forward_stop TERM $pid" TERM
   # shellcheck disable=SC2064
   trap "forward_stop USR1 $pid" USR1
-  trap 'echo "launch.sh: SIGINT: torchrun stops the ranks now, without a checkpoint (SIGTERM or SIGUSR1 write one)" >&2' INT
+  # shellcheck disable=SC2064
+  trap "forward_int $pid" INT
   while kill -0 "$pid" 2>/dev/null; do wait "$pid" 2>/dev/null || true; done  # (a trapped signal ends a wait)
   wait "$pid" 2>/dev/null || rc=$?  # bash keeps the status of a child it reaped
-  trap - TERM USR1 INT
-  first=$(sed -n 1p "$MAE_ERROR_FILE"); rm -f "$MAE_ERROR_FILE"
+  trap - TERM USR1
+  trap '' INT  # (from here to the end: the last line is being said)
+  # the first rank's line; one that only lost a peer (on another node) comes after any rank's own reason
+  first=$(grep -v -m1 'lost a peer' "$MAE_ERROR_FILE" || sed -n 1p "$MAE_ERROR_FILE"); rm -f "$MAE_ERROR_FILE"
   if [ -s "$OUT_DIR/STOPPED" ]; then
     echo "launch.sh: $(cat "$OUT_DIR/STOPPED")" >&2
+    if [ "$INTS" -gt 0 ]; then return 130; fi
     return 75
+  fi
+  if [ "$INTS" -gt 0 ]; then
+    case "$first" in interrupted*) echo "launch.sh: $first" >&2 ;;
+      *) echo "launch.sh: interrupted (Ctrl-C): the ranks stopped at once; ${first:-see above for where they were}" >&2 ;;
+    esac
+    return 130
   fi
   if [ "$rc" -ne 0 ]; then
     echo "${first:-error: the ranks failed (torchrun exit $rc) and none printed an error: line; the first traceback above is the cause}" >&2
@@ -180,6 +218,20 @@ run_ranks() {  # the torchrun command line
 forward_stop() {  # SIG torchrun-pid: to the ranks, torchrun's children
   echo "launch.sh: SIG$1: the ranks write a checkpoint after their current step, then stop" >&2
   pkill "-$1" -P "$2" || true
+}
+forward_int() {  # torchrun-pid: a Ctrl-C to the ranks
+  INTS=$((INTS + 1))
+  if [ "$INTS" -eq 1 ]; then
+    echo "launch.sh: Ctrl-C: the ranks write a checkpoint after their current step, then stop (Ctrl-C again: at once, without one)" >&2
+  else
+    echo "launch.sh: Ctrl-C again: the ranks stop at once, without a checkpoint of their current steps" >&2
+  fi
+  pkill -INT -P "$1" || true
+}
+# how this script ends: with the ranks' code, or, after a Ctrl-C (130), by dying of the SIGINT as shells expect
+end_with() {
+  if [ "$1" -eq 130 ]; then trap - INT; kill -INT $$; fi
+  exit "$1"
 }
 
 # GPUs per node that SLURM schedules as gres (`Gres=gpu:h200:8` in slurm.conf), 0 where it schedules none: CPU
@@ -262,10 +314,17 @@ case "$MODE" in
     echo "launch.sh: local mode, $NPROC rank(s), $NGPU GPU(s)" >&2
     rc=0
     run_ranks "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train.py "$@" || rc=$?
-    exit "$rc"
+    end_with "$rc"
     ;;
   slurm)
     if [ -z "${SLURM_JOB_ID:-}" ]; then  # not in an allocation yet: submit this script for the config's nodes
+      # SLURM installed but not answering (no slurm.conf, no controller): one line, before sbatch's own words
+      if ! why=$(sinfo -h -o '%P' 2>&1 >/dev/null); then
+        echo "error: SLURM is installed here (sbatch) but does not answer: sinfo says '$(echo "$why" | sed -n 1p)'." \
+             "Configure it (slurm.conf, a running slurmctld), or launch without it: HOSTFILE=hosts bash launch.sh ..." \
+             "over ssh, or MODE=local on one machine" >&2
+        exit 2
+      fi
       mkdir -p "$LOG_DIR"
       # the job is a two-line bash script (on stdin: no copy of this file in slurmd's spool, and bash, not sh,
       # reads the quoting) that runs `bash /abs/path/launch.sh ...` in the repository; it finds itself in the
@@ -323,7 +382,7 @@ EOF
     echo "launch.sh: node ${SLURM_NODEID:-${NODE_RANK:-?}} of $NODES, head $HEAD:$PORT, $NPROC rank(s)" >&2
     rc=0
     eval "run_ranks $(node_cmd "$HEAD" "$@")" || rc=$?
-    exit "$rc"
+    end_with "$rc"
     ;;
   hostfile)
     mapfile -t HOSTS < <(grep -v '^\s*#' "$HOSTFILE" | grep -v '^\s*$')
@@ -358,7 +417,7 @@ EOF
     # stop signals go to every node's launch.sh, which passes them to its ranks: a local node's process group,
     # a remote one's pid over ssh (this script's ssh client is in a session of its own: a signal to it would
     # only end the connection)
-    stop_nodes() {  # TERM | USR1
+    stop_nodes() {  # TERM | USR1 | INT
       echo "launch.sh: SIG$1: passing it to the $NODES nodes (the ranks checkpoint after their current step)" >&2
       for ((i = 0; i < NODES; i++)); do
         if [ "${HOSTS[$i]}" = "127.0.0.1" ] || [ "${HOSTS[$i]}" = "localhost" ]; then
@@ -371,8 +430,10 @@ EOF
       done
     }
     all=("${pids[@]}")
+    INTS=0
     trap 'stop_nodes TERM' TERM
     trap 'stop_nodes USR1' USR1
+    trap 'INTS=$((INTS + 1)); stop_nodes INT' INT  # (each node's launch.sh: the first a checkpoint, a second at once)
     # the job fails as soon as one node fails: stop the others rather than let them wait in a collective. (A node
     # that stopped on a signal, exit 75, is not a failure: the others are stopping too.)
     # Poll (portable to old bash): every node that has ended is reaped with `wait PID` for its exit status.
@@ -382,15 +443,22 @@ EOF
       for p in "${pids[@]}"; do
         if kill -0 "$p" 2>/dev/null; then alive+=("$p"); continue; fi
         r=0; wait "$p" || r=$?
-        if [ "$r" -ne 0 ] && [ "$r" -ne 75 ]; then rc=$r; fi  # 75: stopped on a signal, as the others will
+        # 75: stopped on a signal, as the others will; 130: on a Ctrl-C
+        if [ "$r" -ne 0 ] && [ "$r" -ne 75 ] && [ "$r" -ne 130 ]; then rc=$r; fi
       done
       pids=("${alive[@]+"${alive[@]}"}")
       [ "$rc" -eq 0 ] && [ "${#pids[@]}" -gt 0 ] && sleep 1
     done
     trap - TERM USR1
+    trap '' INT
     if [ "$rc" -eq 0 ] && [ -s "$OUT_DIR/STOPPED" ]; then
       echo "launch.sh: $(cat "$OUT_DIR/STOPPED")" >&2
+      if [ "$INTS" -gt 0 ]; then end_with 130; fi
       exit 75
+    fi
+    if [ "$rc" -eq 0 ] && [ "$INTS" -gt 0 ]; then  # stopped at once: node 0's log ends with where the run stands
+      echo "$(grep -h -m1 '^launch.sh: interrupted' "$LOG_DIR/node_0.log" 2>/dev/null || echo 'launch.sh: interrupted (Ctrl-C): the nodes stopped at once')" >&2
+      end_with 130
     fi
     if [ "$rc" -ne 0 ]; then
       echo "error: a node failed (exit $rc); stopping the others. Per-node logs: $LOG_DIR/node_*.log" >&2

@@ -23,9 +23,15 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
 import threading
 import time
+
+if __name__ == "__main__":  # a Ctrl-C while the imports below run (seconds) ends the process quietly: under launch.sh
+    # the ranks inherit torchrun's ignored SIGINT and launch.sh passes each Ctrl-C on; from cli() on, infra/stop.py's
+    # handler has it (0 under launch.sh, which then says how the run ended; else the shell's 130)
+    signal.signal(signal.SIGINT, lambda *_: os._exit(0 if os.environ.get("MAE_LAUNCHER") == "launch.sh" else 130))
 
 import torch
 
@@ -33,8 +39,9 @@ import configurator
 import data
 import ring_attention
 from infra import checkpoint, distributed, dryrun, evaluate, lease, modelfile, outputs, plan, strategies
+from infra import stop as stop_signals
 from infra.cli import need, run as run_cli
-from infra.stop import RESUMABLE, StopRequest, write_stopped
+from infra.stop import INTERRUPTED, RESUMABLE, Interrupted, StopRequest, write_stopped
 from model import MODELS, build_model, token_grid
 
 # -----------------------------------------------------------------------------
@@ -226,6 +233,8 @@ def setup(cfg):
 def build_job(job):
     """setup's second half, under the lease: the data streams, the model (seeded), its initial weights, the engine."""
     cfg, device, dtype = job.cfg, job.device, job.dtype
+    # ---- the run's log as a crash may have left it (rank 0 reads it; a damaged one refused on every rank)
+    distributed.on_rank_0(lambda: check_log(os.path.join(cfg["out_dir"], "log.jsonl"), not cfg["eval_only"], job.log))
     # ---- data: the training stream and the held-out one (data.samplers)
     job.sampler, job.val_sampler, job.stores_digest = data.samplers(cfg, job.cp_rank, job.dp_rank,
                                                                     job.dp_size, job.log)
@@ -311,6 +320,39 @@ def train_step(job, step, batches, stop=0.0):
 
 # -----------------------------------------------------------------------------
 # the run's log: log.jsonl, tensorboard, the log line
+
+
+def check_log(path, repair, log):
+    """log.jsonl as a relaunch finds it. Records are appended whole, so a crash can only cut its end short: whatever
+    follows the last record that parses (half a line, a power loss's zeros) is dropped with a WARNING (repair; an
+    eval_only run leaves it and read_losses skips it), and the steps after the checkpoint resumed from are logged
+    again. A line that does not parse with records after it is no crash's doing: refused, naming the line."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")  # (the last item: what follows the last newline, b"" in a whole file)
+
+    def record(line):
+        try:
+            return isinstance(json.loads(line), dict)
+        except ValueError:
+            return False
+    good = [i for i, line in enumerate(lines[:-1]) if record(line)]
+    keep = good[-1] + 1 if good else 0  # whole lines up to the last record
+    ok = set(good)
+    bad = next((i for i in range(keep) if i not in ok), None)
+    if bad is not None:
+        raise configurator.ConfigError(
+            f"{path} line {bad + 1} is not a JSON record ({lines[bad][:80]!r}) and records follow it: a crash cuts only "
+            f"the last line, so something else changed the file; repair or delete that line (log.jsonl is the run's "
+            f"record, not its state: the checkpoints are), then run again")
+    cut = b"\n".join(lines[keep:])
+    if cut.strip(b"\n\0 "):
+        size = sum(len(line) + 1 for line in lines[:keep])
+        if repair:
+            os.truncate(path, size)
+        log(f"WARNING: {path} ends with {len(cut)} bytes that are not a whole record ({cut[:60]!r}: a line cut short "
+            f"by a crash): {'dropped' if repair else 'skipped'}; the steps after the checkpoint are logged again")
 
 
 class RunLog:
@@ -404,8 +446,8 @@ class RunLog:
 
 
 def main(argv, stop=None):
-    """The run; `stop`: a StopRequest (cli installs it: SIGTERM / SIGUSR1 stop at a step boundary with a
-    checkpoint, and main then returns RESUMABLE)."""
+    """The run; `stop`: a StopRequest (cli installs it: SIGTERM / SIGUSR1 / a Ctrl-C stop at a step boundary with a
+    checkpoint, and main then returns RESUMABLE, or INTERRUPTED for a Ctrl-C; a second Ctrl-C stops at once)."""
     cfg = configurator.defaults()
     configurator.apply(cfg, argv)
     if cfg["task"] == "segment" and cfg["init_from"] and \
@@ -414,12 +456,29 @@ def main(argv, stop=None):
     check_config(cfg)
     if cfg["dry_run"]:
         return dryrun.check_launch(cfg)
-    job = setup(cfg)
+    job = None
     try:
+        job = setup(cfg)
         return run(job, stop)
+    except KeyboardInterrupt:  # a Ctrl-C that stops at once (infra/stop.py): where the run stands, as the last line
+        raise Interrupted(where_it_stands(cfg, started=job is not None)) from None
+    except Exception:
+        if stop_signals.interrupted:  # a peer stopped at once by the same Ctrl-C, before this rank's own came
+            raise Interrupted(where_it_stands(cfg, started=job is not None)) from None
+        raise
     finally:  # the run is over on rank 0 (done, stopped, or failed here): out_dir is free for the next one
-        if job.lease:
+        if job and job.lease:
             job.lease.release()
+
+
+def where_it_stands(cfg, started):
+    """The last line of a run a Ctrl-C stopped at once: its newest complete checkpoint and how to go on."""
+    ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
+    done = checkpoint.complete_checkpoints(ckpt_dir)
+    then = (f"{ckpt_dir}/{done[-1][1]} is the newest complete checkpoint: run the same command again to resume "
+            f"from it" if done else "no checkpoint was written: the same command starts the run again from step 0")
+    return (f"interrupted (Ctrl-C) at once, without a checkpoint of the steps since the last one; {then}" if started
+            else f"interrupted (Ctrl-C) during start-up, before any step; {then}")
 
 
 def run(job, stop):
@@ -497,14 +556,16 @@ def run(job, stop):
             job.val_sampler.close()
         runlog.close()
     if stopped and step + 1 < cfg["max_steps"]:  # (a stop at the last step is just the end of the run)
+        code = INTERRUPTED if "SIGINT" in stopped else RESUMABLE
         msg = (f"stopped by {stopped} after {step + 1} steps: checkpoint {ckpt_dir}/step_{step + 1:07d} is complete; "
-               f"run the same command again to continue (exit code {RESUMABLE}: stopped, resumable)")
+               f"run the same command again to continue (exit code {code}: "
+               f"{'interrupted by Ctrl-C' if code == INTERRUPTED else 'stopped'}, resumable)")
         if job.rank == 0:
             write_stopped(cfg["out_dir"], msg)
         log(msg)
         torch.distributed.barrier()  # no rank (no node's launch.sh) ends before STOPPED exists
         stop.finished()
-        return RESUMABLE
+        return code
     return 0
 
 
@@ -523,11 +584,12 @@ def save(job, ckpt_dir, done):
 
 def cli(argv):
     """`python train.py ...`: main() through infra/cli.py (bad input or a diverged run as one clear line and an exit
-    code), with stop signals turned into a checkpoint and exit code RESUMABLE (75)."""
+    code), with stop signals turned into a checkpoint and exit code RESUMABLE (75), or INTERRUPTED (130: Ctrl-C)."""
     stop = StopRequest() if threading.current_thread() is threading.main_thread() else None
     rc = run_cli(lambda a: main(a, stop), argv)
-    if rc == RESUMABLE and os.environ.get("MAE_LAUNCHER") == "launch.sh":
-        rc = 0  # launch.sh finds STOPPED and exits 75 itself; a non-zero rank would make torchrun report a failure
+    if rc in (RESUMABLE, INTERRUPTED) and os.environ.get("MAE_LAUNCHER") == "launch.sh":
+        rc = 0  # launch.sh finds STOPPED (or its Ctrl-C) and ends with the code itself; a non-zero rank would make
+        # torchrun report a failure
     return rc
 
 

@@ -16,12 +16,14 @@ exception) is noted there too and then raised, traceback and all.
 """
 import gc
 import os
+import signal
 import sys
 import time
 
 import torch
 
 from configurator import ConfigError
+from infra import distributed, stop
 from infra.checkpoint import StorageError
 from infra.lease import LeaseLost
 from infra.reader import DataError
@@ -30,6 +32,7 @@ from ring_attention import CPMismatchError
 BAD_INPUT = (ConfigError, DataError, CPMismatchError)
 RANK_0_GRACE_S = 10.0  # how long another rank's bad input waits for rank 0 to report the same (see run)
 REFUSED = (StorageError, LeaseLost)  # not the input, not a bug: the disk, or another run
+INTERRUPTED = stop.INTERRUPTED
 
 
 def need(ok, msg):
@@ -61,11 +64,19 @@ def note_error(line):
             f.write(line.replace("\n", " ") + "\n")
 
 
-def run(main, argv):
-    """main(argv) -> its exit code, with the project's errors turned into one line on stderr."""
+def run(main, argv, interrupted="nothing of this command's was left half-written"):
+    """main(argv) -> its exit code, with the project's errors turned into one line on stderr. A Ctrl-C ends it with
+    one line too (the KeyboardInterrupt's own message, stop.Interrupted's, else `interrupted`: what it leaves) and
+    the shell's code for it (a process of its own dies of the SIGINT, as shells expect; a rank exits 130)."""
     rank = os.environ.get("RANK", "0")
     try:
         rc = main(argv)
+    except KeyboardInterrupt as e:  # a Ctrl-C (infra/stop.py)
+        line = str(e) if str(e) else f"interrupted (Ctrl-C): {interrupted}"
+        if rank == "0":  # (every rank got it: rank 0 says it for all; launch.sh repeats its line last)
+            note_error(line)
+            print(line, file=sys.stderr, flush=True)
+        rc = INTERRUPTED
     except BAD_INPUT + REFUSED + (FloatingPointError,) as e:  # nothing is half-written: one line says why
         why = " ".join(str(e).split())  # one line, even where the cause quoted a library's multi-line message
         line = f"error: {why}" if rank == "0" else f"error: (rank {rank}) {why}"
@@ -81,9 +92,44 @@ def run(main, argv):
             print(line, file=sys.stderr, flush=True)
         rc = 3 if isinstance(e, FloatingPointError) else 4 if isinstance(e, REFUSED) else 2
     except Exception as e:  # a bug, or a failure of a peer: the traceback follows; launch.sh names the first
-        note_error(f"error: (rank {rank}) {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        if stop.interrupted:  # a peer stopped at once by the same Ctrl-C (its line is rank 0's): not a failure
+            if rank == "0":
+                line = "interrupted (Ctrl-C): stopped at once, as the other ranks did"
+                note_error(line)
+                print(line, file=sys.stderr, flush=True)
+            return finish(INTERRUPTED)
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        lost = distributed.lost_a_peer(e)
+        dead = distributed.dead_peers() if lost else []
+        if dead:  # a rank of this node died without a word (kill -9, the OOM killer, a crash): it is the cause, and
+            # the last line names it, not this rank that noticed (one line, no traceback: the cause is known)
+            line = (f"error: rank {dead[0][0]} (pid {dead[0][1]}) died first, without an error of its own (killed by "
+                    f"a signal: kill -9, the out-of-memory killer, a crash in native code); rank {rank} lost it: {why}")
+            if not already_noted():  # (a rank that failed with an error of its own has said it first)
+                note_error(line)
+            print(line, file=sys.stderr, flush=True)
+            return finish(1)
+        note_error(f"error: (rank {rank}) " + ("lost a peer on another node (that node's log names the rank that "
+                                               "died first): " if lost else "") + why)
         raise
+    return finish(rc)
+
+
+def finish(rc):
+    """The end of every command: the process group closed, the code returned; after a Ctrl-C a process of its own
+    dies of SIGINT (a shell's loop around it stops too, as shells expect), a rank returns 130 (torchrun's)."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     gc.freeze()  # the interpreter's last collection at exit walked every object torch and DeepSpeed made: seconds
+    if rc == INTERRUPTED and not os.environ.get("TORCHELASTIC_RUN_ID"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     return rc or 0
+
+
+def already_noted():
+    """Whether a rank has already put its first line into launch.sh's MAE_ERROR_FILE."""
+    path = os.environ.get("MAE_ERROR_FILE")
+    return bool(path) and os.path.exists(path) and os.path.getsize(path) > 0

@@ -48,10 +48,60 @@ def init():
         torch.cuda.set_device(local)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if on_gpu else "gloo")
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # (every rank has joined: its node's peers exist)
+        siblings.update(find_siblings())
     return rank, world, torch.device("cuda", local) if on_gpu else torch.device("cpu")
 
 
 at_launcher_gone = None  # what a rank does before die_with_launcher ends it: train sets rank 0's lease release
+siblings = {}  # {pid: rank} of the other ranks torchrun started on this node (init finds them): dead_peers()
+
+
+def find_siblings():
+    """{pid: RANK} of the other processes of this rank's parent (torchrun) that are ranks: read from /proc (Linux;
+    elsewhere nothing). Once every rank has joined the process group they all exist."""
+    me, parent, out = os.getpid(), os.getppid(), {}
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()) if os.path.isdir("/proc") else ():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if pid == me or int(f.read().rsplit(")", 1)[1].split()[1]) != parent:
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+            if b"RANK" in env:
+                out[pid] = int(env[b"RANK"])
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _gone(pid):
+    """Whether process `pid` has ended (it is gone, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def dead_peers(wait_s=1.0):
+    """[(rank, pid)] of the ranks of this node that have ended, waiting up to wait_s for one (a peer's sockets close as
+    it dies, a moment before /proc says so). infra/cli.py names the first in the last line."""
+    deadline = time.time() + wait_s
+    while True:
+        dead = sorted((r, p) for p, r in siblings.items() if _gone(p))
+        if dead or time.time() > deadline:
+            return dead
+        time.sleep(0.05)
+
+
+def lost_a_peer(exc):
+    """Whether a collective's failure is a lost peer (its connection closed, reset or timed out: gloo's and NCCL's
+    words), not a bug of this rank."""
+    text = f"{type(exc).__name__}: {exc}"
+    return isinstance(exc, getattr(dist, "DistNetworkError", ())) or any(
+        w in text for w in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "ECONNRESET",
+                            "remote process exited", "Socket Timeout", "NCCL communicator was aborted"))
 
 
 def die_with_launcher(poll_s=0.5):

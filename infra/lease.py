@@ -43,6 +43,7 @@ import configurator
 
 NAME = "LEASE"
 CLAIM_STALE_S = 60.0  # a takeover claim older than this was left by a run that died while taking over
+TORN_S = 10.0  # a lease that does not parse this long after it was written was torn by its writer's death
 
 
 class LeaseHeld(configurator.ConfigError):
@@ -109,6 +110,8 @@ def stale_after_s(holder, cfg, out_dir):
 
 def _why_stale(holder, age, cfg, out_dir):
     """Why the lease `holder` (not refreshed for `age` seconds) may be taken over, or None while it is live."""
+    if not holder and age > TORN_S:  # (a live run writes its lease whole in a moment: this one's writer died)
+        return f"it does not parse, {age:.0f} s after it was written (torn: its writer died while writing it)"
     if holder.get("host") == socket.gethostname():
         if not _alive(int(holder.get("pid", -1)), holder.get("pid_start")):
             return f"its process {holder.get('pid')} on this host is gone"
@@ -126,7 +129,7 @@ def _why_stale(holder, age, cfg, out_dir):
 
 def _read(path):
     """(the lease's JSON, seconds since its last refresh), or (None, None) if it is not there (released meanwhile).
-    A lease still being written (empty, or half its JSON) reads as {} and is live until its age says otherwise."""
+    A lease still being written (empty, or half its JSON) reads as {}: live for TORN_S, then stale (torn)."""
     try:
         age = time.time() - os.stat(path).st_mtime
         with open(path) as f:

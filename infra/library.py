@@ -19,7 +19,7 @@ import json
 from configurator import ConfigError
 from infra import outputs
 from infra.progress import Progress
-from infra.reader import DataError, ReadOptions, Volume, storage_options
+from infra.reader import DataError, ReadOptions, Volume, bucket_exists, endpoint, remote_call, storage_options
 
 
 RECORD_KEYS = ("url", "format", "shape", "chunks", "dtype", "mean", "std", "live_fraction", "bytes")
@@ -27,7 +27,10 @@ RECORD_KEYS = ("url", "format", "shape", "chunks", "dtype", "mean", "std", "live
 
 def _fs(url, opts):
     import fsspec
-    return fsspec.url_to_fs(url, **storage_options(url, opts))
+    fs, path = fsspec.url_to_fs(url, **storage_options(url, opts))
+    if url.startswith("s3://"):
+        fs.retries = 1  # one layer of retries, ours (reader.remote_call: bounded, saying what it waits for)
+    return fs, path
 
 
 def read_manifest(url, opts=None, cut_short_ok=False):
@@ -35,10 +38,15 @@ def read_manifest(url, opts=None, cut_short_ok=False):
     the manifest, the line and the fix; so is a manifest that cannot be read. cut_short_ok: a last line that is not
     a record is dropped (an index that crashed mid-line; index() goes on from the rest)."""
     opts = opts or ReadOptions()
-    try:
+
+    def read():
         fs, path = _fs(url, opts)
         with fs.open(path, "r") as f:
-            lines = f.read().splitlines()
+            return f.read().splitlines()
+    try:
+        lines = remote_call(read, url, opts, f"reading manifest {url!r}") if "://" in url else read()
+    except DataError:
+        raise
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read manifest {url!r} ({type(e).__name__}: {e}): write one with "
                         f"python -m scripts.library index PATTERN... --out MANIFEST") from None
@@ -88,8 +96,14 @@ def expand(entries, opts=None):
         elif any(ch in e for ch in "*?[") and not _exists(e, opts):  # (a store may have [ ] in its name)
             fs, path = _fs(e, opts)
             proto = e.split("://", 1)[0] + "://" if "://" in e else ""
-            found = sorted(proto + p if proto and not p.startswith(proto) else p for p in fs.glob(path.rstrip("/")))
+            matched = remote_call(lambda: fs.glob(path.rstrip("/")), e, opts, f"listing data path pattern {e!r}") \
+                if "://" in e else fs.glob(path.rstrip("/"))
+            found = sorted(proto + p if proto and not p.startswith(proto) else p for p in matched)
             if not found:
+                if e.startswith("s3://") and not bucket_exists(e, opts):
+                    raise DataError(f"the bucket of data path pattern {e!r} does not exist (or these credentials "
+                                    f"cannot see it) at {endpoint(opts)}: check the bucket name, region and "
+                                    f"s3_endpoint")
                 raise DataError(f"data path pattern {e!r} matches nothing: check the prefix and the pattern (a store "
                                 f"is a folder: s3://bucket/library/*.mdio)")
             out.extend(found)
@@ -227,4 +241,13 @@ def _partial_records(path):
 
 def _exists(url, opts):
     fs, path = _fs(url, opts)
-    return fs.exists(path)
+    if "://" not in url:
+        return fs.exists(path)
+    # (s3fs's exists() answers False for whatever fails: its info() says why, which remote_call reports)
+    def look():
+        try:
+            fs.info(path)
+            return True
+        except FileNotFoundError:
+            return False
+    return remote_call(look, url, opts, f"looking for {url!r}")

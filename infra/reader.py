@@ -117,12 +117,49 @@ class RequestStore(zarr.storage.WrapperStore):
                 final = PermissionError if isinstance(e, PermissionError) else FileNotFoundError
                 raise final(f"{key!r} of {self.url!r}: {e}") from e
             except Exception as e:
+                what = "metadata" if key.rsplit("/", 1)[-1] in ("zarr.json", ".zarray", ".zgroup", ".zattrs") \
+                    else "chunk"
                 if attempt == opts.retries:
-                    what = "metadata" if key.rsplit("/", 1)[-1] in ("zarr.json", ".zarray", ".zgroup", ".zattrs") \
-                        else "chunk"
-                    raise DataError(f"{what} {key!r} of {self.url!r} failed {attempt + 1} times; last error: "
-                                    f"{type(e).__name__}: {e}") from e
+                    raise failed(f"{what} {key!r} of {self.url!r}", opts, attempt + 1, e) from e
+                warn_unanswered(f"{self.url!r} ({what} {key!r})", opts, attempt, e)
             await asyncio.sleep(random.uniform(0, opts.backoff_s * 2 ** attempt))  # (its place given back)
+
+
+def unanswered(exc):
+    """Whether a failure is the endpoint not answering: a request that timed out, a connection refused or cut (not an
+    answer such as 503 SlowDown, which is the endpoint answering)."""
+    text = f"{type(exc).__name__} {exc}"
+    return isinstance(exc, (TimeoutError, ConnectionError)) or any(w in text for w in (
+        "Timeout", "timed out", "Could not connect", "Connection refused", "Cannot connect", "EndpointConnectionError",
+        "ServerDisconnected", "Connection reset"))
+
+
+def endpoint(opts):
+    return opts.endpoint_url or "AWS's S3"
+
+
+_warned = set()  # (what, try) already said: one line per store and try, however many requests wait on it
+
+
+def warn_unanswered(what, opts, attempt, exc):
+    """While retrying: a line on stderr when the endpoint does not answer (which store, which endpoint, which try)."""
+    if unanswered(exc) and (what.split(" (")[0], attempt) not in _warned:
+        _warned.add((what.split(" (")[0], attempt))
+        import sys
+        print(f"WARNING: {what} at {endpoint(opts)}: no answer ({type(exc).__name__}; read_timeout_s="
+              f"{opts.timeout_s:g} s), try {attempt + 1} of {opts.retries + 1}: retrying", file=sys.stderr, flush=True)
+
+
+def failed(what, opts, tries, exc):
+    """The DataError after the last try: an endpoint that never answered is named, with the options that set the
+    patience; any other failure with its last error."""
+    if unanswered(exc):
+        return DataError(f"{what}: the endpoint {endpoint(opts)} did not answer in {tries} tries of read_timeout_s="
+                         f"{opts.timeout_s:g} s (last: {type(exc).__name__}: {' '.join(str(exc).split())[:120]}): check "
+                         f"that it is up and reachable from here (s3_endpoint), or give a slow one more patience "
+                         f"with read_timeout_s / read_retries (train.py's keys; the commands' --read_timeout_s / "
+                         f"--read_retries)")
+    return DataError(f"{what} failed {tries} times; last error: {type(exc).__name__}: {exc}")
 
 
 def storage_options(url, opts):
@@ -170,7 +207,7 @@ def open_node(url, opts, store=None):
         raise DataError(f"access denied to {url!r} ({e}): check the AWS credentials (profile, env, instance role), "
                         f"the bucket policy, or set s3_anon=True for a public bucket") from e
     except FileNotFoundError as e:  # zarr's NodeNotFoundError is one too
-        if url.startswith("s3://") and not _bucket_exists(url, opts):
+        if url.startswith("s3://") and not bucket_exists(url, opts):
             raise DataError(f"the bucket of {url!r} does not exist (or these credentials cannot see it): check the "
                             f"bucket name, region and s3_endpoint") from e
         raise DataError(f"no Zarr store at {url!r} ({type(e).__name__}: {e}): check the key (an MDIO store is a "
@@ -183,13 +220,28 @@ def open_node(url, opts, store=None):
         raise  # anything else may be transient (5xx, reset, timeout): the caller retries it
 
 
-def _bucket_exists(url, opts):
+def remote_call(fn, url, opts, what):
+    """fn(): a listing, a look or a small read of `url` through fsspec (infra/library.py's globs and manifests), as
+    patient as every read: retried when the endpoint does not answer (saying so, which try), then one DataError naming
+    the endpoint and the options that set the patience; access denied at once, as one line naming the fix."""
+    try:
+        return with_retries(fn, opts, what, permanent=(PermissionError, FileNotFoundError, DataError) + NOT_TRANSIENT)
+    except PermissionError as e:
+        raise DataError(f"{what}: access denied at {endpoint(opts)} ({e}): check the AWS credentials (profile, env, "
+                        f"instance role), the bucket policy, or set s3_anon=True for a public bucket") from None
+
+
+def bucket_exists(url, opts):
     import fsspec
     fs = fsspec.filesystem("s3", **storage_options(url, opts))
     try:
         return fs.exists(url[len("s3://"):].split("/")[0])
     except Exception:
         return True  # cannot tell: do not claim it is missing
+
+
+# failures no retry can mend (a bug, or data that is what it is): raised at once, never retried as a network fault
+NOT_TRANSIENT = (ArithmeticError, LookupError, TypeError, AttributeError, AssertionError, NotImplementedError)
 
 
 def with_retries(fn, opts, what, permanent=(PermissionError, FileNotFoundError, DataError)):
@@ -203,7 +255,8 @@ def with_retries(fn, opts, what, permanent=(PermissionError, FileNotFoundError, 
             raise
         except Exception as e:
             if attempt == opts.retries:
-                raise DataError(f"{what} failed {attempt + 1} times; last error: {type(e).__name__}: {e}") from e
+                raise failed(what, opts, attempt + 1, e) from e
+            warn_unanswered(what, opts, attempt, e)
             time.sleep(random.uniform(0, opts.backoff_s * 2 ** attempt))
 
 
@@ -216,14 +269,31 @@ async def awith_retries(fn, opts, what, permanent=(PermissionError, FileNotFound
             raise
         except Exception as e:
             if attempt == opts.retries:
-                raise DataError(f"{what} failed {attempt + 1} times; last error: {type(e).__name__}: {e}") from e
+                raise failed(what, opts, attempt + 1, e) from e
+            warn_unanswered(what, opts, attempt, e)
         await asyncio.sleep(random.uniform(0, opts.backoff_s * 2 ** attempt))
 
 
+NOTHING_TO_TRAIN = ("there is nothing to train on: drop it from data_paths (or its manifest), or write it again from "
+                    "its source (a conversion that failed leaves the fill value)")
+
+
 def _stats_from(mean, std, what):
-    if not (np.isfinite(mean) and np.isfinite(std) and std > 0):
-        raise DataError(f"{what}: mean {mean} / std {std} are not usable for normalisation")
+    """A volume's (mean, std) for normalisation, or a DataError saying why they cannot be: data that cannot train is
+    refused once, at opening, never retried (with_retries takes a DataError as final)."""
+    if not (np.isfinite(mean) and np.isfinite(std)):
+        raise DataError(f"{what}: its statistics are not finite (mean {mean}, std {std}): the volume holds inf or NaN "
+                        f"beyond its dead traces, or its statistics were written wrong; write it again from its source")
+    if std <= 0:
+        raise DataError(f"{what}: every live value is {mean} (std 0: a constant volume, as an array that was never "
+                        f"written reads: its fill value); {NOTHING_TO_TRAIN}")
     return float(mean), float(std)
+
+
+def _no_live(what, mask):
+    if mask is not None and mask.size and not mask.any():
+        raise DataError(f"{what}: every one of its {mask.size:,} traces is dead (its trace mask has none live); "
+                        f"{NOTHING_TO_TRAIN}")
 
 
 class Volume:
@@ -244,7 +314,7 @@ class Volume:
             zarr.config.set({"async.concurrency": 4 * self.opts.in_flight})
         # metadata reads go over the network too: retried like chunks; not-found and denied are final
         with_retries(self._open, self.opts, f"opening {url!r}",
-                     permanent=(PermissionError, FileNotFoundError, DataError, zarr.errors.BaseZarrError))
+                     permanent=(PermissionError, FileNotFoundError, DataError, zarr.errors.BaseZarrError) + NOT_TRANSIENT)
         self.shape, self.chunks = tuple(self.arr.shape), tuple(self.arr.chunks)
         self.decode = chunk_decoder(self.arr)  # None: a layout zarr's own pipeline reads
         if record is not None:  # the store must still be the one indexed
@@ -277,6 +347,7 @@ class Volume:
             self.mean, self.std = _stats_from(a["mean"], a["std"], url)
             if "metadata" in node and "live_mask" in node["metadata"]:
                 self.trace_mask = np.asarray(node["metadata"]["live_mask"][:], dtype=bool)
+                _no_live(url, self.trace_mask)
         else:  # MDIO v1
             name = node.attrs.get("attributes", {}).get("defaultVariableName", "amplitude")
             if name not in node:
@@ -284,16 +355,24 @@ class Volume:
                                 f"array (or set data_paths to the array itself)")
             self.arr, self.format, self.group = node[name], "mdio_v1", node
             self._check_3d(url)
+            if "trace_mask" in node:
+                self.trace_mask = np.asarray(node["trace_mask"][:], dtype=bool)
+                _no_live(url, self.trace_mask)
             stats = self.arr.attrs.get("statsV1")
             if stats is None:
                 self.mean, self.std = self._estimate_stats()
             else:
-                st = json.loads(stats) if isinstance(stats, str) else stats
-                mean = st["sum"] / st["count"]
-                self.mean, self.std = _stats_from(mean, math.sqrt(max(st["sumSquares"] / st["count"] - mean ** 2, 0)),
-                                                  url)
-            if "trace_mask" in node:
-                self.trace_mask = np.asarray(node["trace_mask"][:], dtype=bool)
+                try:
+                    st = json.loads(stats) if isinstance(stats, str) else stats
+                    count, total, squares = float(st["count"]), float(st["sum"]), float(st["sumSquares"])
+                except (ValueError, KeyError, TypeError) as e:
+                    raise DataError(f"{url!r}: its statsV1 attribute is not MDIO's (count, sum, sumSquares): {e}; "
+                                    f"write the store again with multidimio") from None
+                if count <= 0:  # (multidimio counts the live samples that are not exactly zero)
+                    raise DataError(f"{url!r}: its statistics count no live sample (statsV1 count {count:g}: every "
+                                    f"trace dead, or every value zero); {NOTHING_TO_TRAIN}")
+                mean = total / count
+                self.mean, self.std = _stats_from(mean, math.sqrt(max(squares / count - mean ** 2, 0)), url)
 
     def variable(self, name):
         """Another variable of this MDIO v1 store on the same (inline, crossline, time) grid, read as this one is
@@ -334,16 +413,25 @@ class Volume:
                             f"crossline, time) volume is needed (2D lines and prestack gathers are not supported)")
 
     def _estimate_stats(self):
-        """Mean/std over up to 8 chunks spread through the volume (a plain array carries no statistics)."""
+        """Mean/std over 8 chunks spread through the volume (a plain array carries no statistics); where those hold
+        no finite value (dead traces), over up to 64 more before the volume is called empty."""
         grid = [math.ceil(s / c) for s, c in zip(self.arr.shape, self.arr.chunks)]
-        picks = {tuple(int(g * f) for g in grid) for f in np.linspace(0, 0.999, 8)}
-        vals = np.concatenate([self._read_chunk_region(p, tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in
-                                                                zip(p, self.arr.chunks, self.arr.shape))).ravel()
-                               for p in picks]).astype(np.float64)
-        vals = vals[np.isfinite(vals)]
+        n_chunks, seen, vals = math.prod(grid), set(), np.zeros(0)
+        for n in (8, 72):
+            picks = {tuple(int(g * f) for g in grid) for f in np.linspace(0, 0.999, n)} - seen
+            seen |= picks
+            vals = np.concatenate([vals] + [self._read_chunk_region(p, tuple(
+                slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(p, self.arr.chunks, self.arr.shape))).ravel()
+                for p in sorted(picks)]).astype(np.float64)
+            vals = vals[np.isfinite(vals)]
+            if vals.size or len(seen) == n_chunks:
+                break
         if vals.size == 0:
-            raise DataError(f"{self.url!r}: no finite values in the chunks sampled to estimate mean/std; add "
-                            f"'mean' and 'std' attributes to the array")
+            every = len(seen) == n_chunks
+            raise DataError(f"{self.url!r}: no finite value in {'any' if every else f'the {len(seen)}'} of its "
+                            f"{n_chunks} chunks{'' if every else ' read'} (all NaN: every trace dead); "
+                            + (NOTHING_TO_TRAIN if every else "if it holds live data elsewhere, give the array 'mean' "
+                               "and 'std' attributes, else " + NOTHING_TO_TRAIN.split(": ", 1)[1]))
         return _stats_from(vals.mean(), vals.std(), self.url)
 
     def chunk_key(self, coords):

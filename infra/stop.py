@@ -1,14 +1,21 @@
 """
 The stop protocol: a stop signal becomes a checkpoint that every rank agrees on, then a resumable exit.
 
-    StopRequest()            installs SIGTERM / SIGUSR1 handlers; train.py arms it once training starts
+    StopRequest()            installs SIGTERM / SIGUSR1 / SIGINT handlers; train.py arms it once training starts
     RESUMABLE                the exit code of a stopped run (75): run the same command again to continue
+    INTERRUPTED              a Ctrl-C's (130, 128 + SIGINT): with a checkpoint or without, the shell's code for it
     write_stopped(out_dir)   out_dir/STOPPED, the one line launch.sh repeats last
 
 A stop signal (SIGTERM: SLURM's time limit and preemption, a scheduler's kill; SIGUSR1: SLURM's warning before
 the time limit, which launch.sh asks for) is a request: the ranks agree at the next step boundary, write a
 complete checkpoint of that step (infra/checkpoint.py), out_dir/STOPPED says so, and they exit RESUMABLE. Running the
 same command again continues exactly where the run stopped.
+
+Ctrl-C (SIGINT) is the same request, made by a person at a terminal: the first one stops at the next step boundary
+with a checkpoint, and the run ends with INTERRUPTED; a second one stops at once (KeyboardInterrupt: no checkpoint
+of the steps since the last one; the last line names the newest complete checkpoint). Outside training (start-up,
+an evaluation, after the last step) the first one stops at once: there is nothing to save. launch.sh passes each
+Ctrl-C to the ranks once (torchrun, which would kill them 30 s after passing on its own, ignores it).
 """
 import os
 import signal
@@ -17,7 +24,13 @@ import torch
 
 RESUMABLE = 75  # exit code: stopped cleanly at a complete checkpoint; run the same command again to continue
 #                 (sysexits.h's EX_TEMPFAIL, "a temporary failure: the user is invited to retry")
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+INTERRUPTED = 130  # exit code of a run a Ctrl-C ended (the shell's 128 + SIGINT), with a checkpoint or at once
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+interrupted = False  # a Ctrl-C reached this process: a failure after it (a peer that stopped at once) is its doing
+
+
+class Interrupted(KeyboardInterrupt):
+    """Stopped at once by a Ctrl-C; the message says where the run stands and how to go on (infra/cli.py prints it)."""
 
 
 class StopRequest:
@@ -37,24 +50,30 @@ class StopRequest:
     ranks agree once more (`agree_now`), so a signal that arrived during the write stops at that checkpoint."""
 
     def __init__(self):
-        self.signal, self.armed, self._pending = None, False, None
+        self.signal, self.armed, self._pending, self.interrupts = None, False, None, 0
         for s in STOP_SIGNALS:
             signal.signal(s, self._on_signal)
 
     def _on_signal(self, signum, frame):
-        if not self.armed:  # nothing to save: die of the signal, as without this handler
+        global interrupted
+        if signum == signal.SIGINT:
+            interrupted, self.interrupts = True, self.interrupts + 1
+            if not self.armed or self.interrupts > 1:  # nothing to save, or a second Ctrl-C: at once
+                raise KeyboardInterrupt
+        elif not self.armed:  # nothing to save: die of the signal, as without this handler
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         if self.signal is None:
             self.signal = signal.Signals(signum).name
             rank = os.environ.get("RANK", "0")  # (os.write: a print() inside a handler may re-enter its lock)
+            again = " (Ctrl-C again: at once, without one)" if signum == signal.SIGINT else ""
             os.write(2, f"rank {rank}: {self.signal} received: stopping at the next step boundary with a "
-                        f"checkpoint\n".encode())
+                        f"checkpoint{again}\n".encode())
 
     def finished(self):
-        """The stop is complete (checkpoint and STOPPED written): further stop signals are ignored, to the end of the
-        process. A repeat can arrive late (over ssh, say); with the default action restored it would kill the rank
+        """The stop is complete (checkpoint and STOPPED written): further stop signals (a Ctrl-C too) are ignored, to
+        the end of the process. A repeat can arrive late (over ssh, say); with the default action restored it would kill the rank
         while it exits, and torchrun would report a failure (on multi-node, hold the others at its exit barrier).
         Python's shutdown leaves an ignored signal ignored."""
         for s in STOP_SIGNALS:

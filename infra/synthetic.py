@@ -14,6 +14,7 @@ infra/reader.py reads what this writes (and what multidimio writes: tests/test_m
 
 import json
 import os
+import shutil
 
 import numpy as np
 import zarr
@@ -195,12 +196,22 @@ def write_mdio(path, vol, chunks=(64, 64, 64), first_inline=1, first_crossline=1
     """Write `vol` (inline, crossline, time), NaN = dead trace, as a local MDIO v1 store at `path`; with `fault`
     (a bool mask of the same shape: synthetic_volume's labels) also a second variable `fault` (uint8, 1 on a
     fault), chunked as the amplitude, on the same dimensions.
-    Written to `path + '.tmp'` then renamed, so a crash never leaves a half-written store behind, and
-    an existing store is never overwritten."""
-    if os.path.exists(path):
-        raise DataError(f"{path!r} already exists; remove it first or write elsewhere (stores are never overwritten)")
-    ni, nx, nt = vol.shape
+    Written to `path + '.tmpPID'` then renamed, so a crash never leaves a half-written store behind (a failed write
+    removes it), and nothing already at `path` is ever overwritten (an empty folder is nothing)."""
+    if os.path.exists(path) and not (os.path.isdir(path) and not os.listdir(path)):
+        raise DataError(f"{path!r} already exists: nothing is written over it; write the volume elsewhere")
     tmp = path.rstrip("/") + f".tmp{os.getpid()}"
+    try:
+        _write_mdio(tmp, vol, chunks, first_inline, first_crossline, dt_ms, fault)
+        os.rename(tmp, path)  # (over an empty folder too)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves nothing behind
+        raise
+    return path
+
+
+def _write_mdio(tmp, vol, chunks, first_inline, first_crossline, dt_ms, fault):
+    ni, nx, nt = vol.shape
     root = zarr.open_group(tmp, mode="w", zarr_format=3)
     root.attrs.update({"apiVersion": "1.1.3", "name": "PostStack3DTime",
                        "attributes": {"surveyType": "3D", "gatherType": "stacked",
@@ -226,11 +237,9 @@ def write_mdio(path, vol, chunks=(64, 64, 64), first_inline=1, first_crossline=1
                                  ("time", nt, 0, dt_ms)]:
         c = root.create_array(name, shape=(n,), chunks=(n,), dtype="int32", dimension_names=[name])
         c[:] = start + step * np.arange(n, dtype=np.int32)
-    os.rename(tmp, path)
-    return path
 
 
-def ensure_synthetic(path, shape, seed=0, chunks=(64, 64, 64), opts=None):
+def ensure_synthetic(path, shape, seed=0, chunks=(64, 64, 64), opts=None, log=print):
     """Create the synthetic store at `path` unless it already exists (make_synthetic: the quickstart calls this), with
     its fault labels beside the amplitude (so that fine-tuning, task="segment", runs on it as it is).
 
@@ -239,7 +248,12 @@ def ensure_synthetic(path, shape, seed=0, chunks=(64, 64, 64), opts=None):
     data.py's ReadOptions: endpoint, anonymous access, storage options); found, it is the data, as it is; missing,
     a ConfigError says so and how to fix it. (It used to test os.path.exists on the URL, always False, and to write
     its 16 MB of made-up volume there through AWS's default endpoint, whatever s3_endpoint said: on AWS, into the
-    user's bucket.)"""
+    user's bucket.)
+
+    Locally it writes only where nothing is (no file or folder, or an empty folder), and says so in one line: a
+    mistyped data path must not quietly become a synthetic survey. Anything already there is the data, as it is
+    (an MDIO v1 or v0 store, a Zarr array): the reader opens it, and names the problem if it is not a store; it is
+    never written over, nor is its removal ever suggested."""
     local = path[len("file://"):] if path.startswith("file://") else path
     if "://" in local:
         if not _remote_store_exists(path, opts or ReadOptions()):
@@ -248,10 +262,13 @@ def ensure_synthetic(path, shape, seed=0, chunks=(64, 64, 64), opts=None):
                               f"(as config/quickstart.py has it), set make_synthetic=False, or upload the store to "
                               f"{path!r}")
         return path
-    if not os.path.exists(os.path.join(local, "zarr.json")):
-        os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
-        vol, fault, _ = synthetic_volume(shape, seed=seed, labels=True)
-        write_mdio(local, vol, chunks=chunks, fault=fault)
+    if os.path.exists(local) and not (os.path.isdir(local) and not os.listdir(local)):
+        return path
+    os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
+    vol, fault, _ = synthetic_volume(shape, seed=seed, labels=True)
+    write_mdio(local, vol, chunks=chunks, fault=fault)
+    log(f"make_synthetic=True: nothing was at {path}, so a synthetic volume was written there ({' x '.join(map(str, shape))}"
+        f" voxels with fault labels, infra/synthetic.py); to train on your own data, set data_paths to it")
     return path
 
 
