@@ -74,6 +74,32 @@ class MotoS3:
         self.server.stop()
 
 
+class SilentEndpoint:
+    """An endpoint that takes every connection and never answers (a host behind a black-holing firewall, a hung
+    server): a client learns of it only from its own timeouts. .endpoint is its URL."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(256)
+        self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:  # closed: stop()
+                return
+            self.conns.append(c)  # (held open, unread, unanswered)
+
+    def stop(self):
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
 class FaultProxy:
     """HTTP proxy to `upstream` that, for GET requests, answers a fraction `fail` of them with a fault:
     503 SlowDown, a dropped connection (socket closed with no response), or a delay of `delay_s` before

@@ -135,12 +135,13 @@ def target(path, what, found, settings, overwrite=False, option="--out"):
     if isinstance(found, Foreign):
         raise ConfigError(f"{option}={path!r} exists and is {found}: a command never writes over what it did not "
                           f"write (with --overwrite neither); choose another path, or move that one away yourself")
-    differ = [k for k in settings if _plain(found.get(k)) != _plain(settings[k])]
+    was, now = _leaves(_plain({k: found.get(k) for k in settings})), _leaves(_plain(settings))
+    differ = [k for k in now if was.get(k) != now[k]]
     if not differ:
         return "same"
     if overwrite:
         return "replace"
-    shown = "; ".join(f"{k} {_short(found.get(k))}, not {_short(settings[k])}" for k in differ[:3])
+    shown = "; ".join(f"{k} {_short(was.get(k))}, not {_short(now[k])}" for k in differ[:3])
     raise ConfigError(f"{option}={path!r} holds {what} made with other inputs or settings ({shown}): choose another "
                       f"path, or add --overwrite to replace it")
 
@@ -149,9 +150,20 @@ def _plain(v):
     return json.loads(json.dumps(v, default=str))  # tuples as lists, as a record read back has them
 
 
+def _leaves(d, prefix=""):
+    """{dotted key: value} of a record's leaves (a model's checkpoint shows as model.checkpoint)."""
+    out = {}
+    for k, v in (d or {}).items():
+        if isinstance(v, dict) and v:
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def _short(v):
-    s = repr(_plain(v))
-    return s if len(s) <= 60 else s[:57] + "..."
+    s = repr(v)
+    return s if len(s) <= 160 else s[:157] + "..."
 
 
 def fsync_dir(path):

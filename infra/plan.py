@@ -427,8 +427,9 @@ def report(p, name):
           f"({p['attention_gpu_s_per_sample_at_128']:.1f} if every head dim ran at 128's rate)")
 
 
-def config_plan(argv):
-    """(the config of argv: config files and --key=value over the defaults; its plan)."""
+def config_plan(argv, check=None):
+    """(the config of argv: config files and --key=value over the defaults; its plan). check(cfg): the config check
+    to pass first (scripts/plan.py's: train.check_config, so that a config the run refuses is refused here too)."""
     ap = argparse.ArgumentParser(prog="python -m scripts.plan", description=__doc__.split("\n")[1])
     ap.add_argument("configs", nargs="*", help="config files (config/*.py), then --key=value overrides, as train.py")
     ap.add_argument("--gpu", default="H200", help=f"one of {sorted(GPUS)}")
@@ -436,7 +437,11 @@ def config_plan(argv):
     a, overrides = ap.parse_known_args(argv)
     if a.gpu not in GPUS:
         raise configurator.ConfigError(f"--gpu={a.gpu!r} is not one of {sorted(GPUS)}")
+    if not 0 < a.mfu <= 1:
+        raise configurator.ConfigError(f"--mfu={a.mfu}: a fraction of the GPU's peak, in (0, 1] (e.g. 0.4)")
     cfg = configurator.defaults()
     configurator.apply(cfg, a.configs + overrides)
+    if check:
+        check(cfg)
     gpn = cfg["gpus_per_node"] or 8
     return cfg, plan(cfg, cfg["nodes"] * gpn, a.gpu, a.mfu, gpn)

@@ -413,12 +413,15 @@ class Volume:
                             f"crossline, time) volume is needed (2D lines and prestack gathers are not supported)")
 
     def _estimate_stats(self):
-        """Mean/std over 8 chunks spread through the volume (a plain array carries no statistics); where those hold
-        no finite value (dead traces), over up to 64 more before the volume is called empty."""
+        """Mean/std over 8 chunks along the volume's diagonal (a plain array carries no statistics); where those hold
+        no finite value (dead traces), over up to 72 spread through it before the volume is called empty."""
         grid = [math.ceil(s / c) for s, c in zip(self.arr.shape, self.arr.chunks)]
         n_chunks, seen, vals = math.prod(grid), set(), np.zeros(0)
-        for n in (8, 72):
-            picks = {tuple(int(g * f) for g in grid) for f in np.linspace(0, 0.999, n)} - seen
+        for first in (True, False):  # 8 along the diagonal (the estimate a run on it has always had), then up to
+            # 72 spread evenly through the volume in C order (every one when there are few)
+            picks = ({tuple(int(g * f) for g in grid) for f in np.linspace(0, 0.999, 8)} if first else
+                     {tuple(int(i) for i in np.unravel_index(k, grid))
+                      for k in np.linspace(0, n_chunks - 1, min(72, n_chunks)).round().astype(int)}) - seen
             seen |= picks
             vals = np.concatenate([vals] + [self._read_chunk_region(p, tuple(
                 slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(p, self.arr.chunks, self.arr.shape))).ravel()

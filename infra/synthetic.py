@@ -189,7 +189,8 @@ def volume_stats(vol):
     exactly zero, as multidimio computes them (zeros are taken as padding; f3.sgy has 5,748 of 31,050)."""
     live = vol[np.isfinite(vol) & (vol != 0)].astype(np.float64)
     return {"count": int(live.size), "sum": float(live.sum()), "sumSquares": float((live ** 2).sum()),
-            "min": float(live.min()), "max": float(live.max()), "histogram": {"counts": [], "binCenters": []}}
+            "min": float(live.min()) if live.size else 0.0, "max": float(live.max()) if live.size else 0.0,
+            "histogram": {"counts": [], "binCenters": []}}
 
 
 def write_mdio(path, vol, chunks=(64, 64, 64), first_inline=1, first_crossline=1, dt_ms=4, fault=None):

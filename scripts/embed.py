@@ -271,8 +271,7 @@ def claim(a, settings, pic, vol, grid, patch, so, opts):
         fs.rm(p, recursive=True)  # (this command's own store, of other settings: --overwrite)
     if not remote:
         part = recorded(work, so)
-        if outputs.target(work, "an interrupted features store", part, settings, a.overwrite,
-                          "--out (its interrupted run)") == "replace":
+        if outputs.target(work, "an interrupted features store", part, settings, a.overwrite) == "replace":
             shutil.rmtree(work)
     create(work, settings, vol, grid, patch, so, opts)
     return work

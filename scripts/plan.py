@@ -10,12 +10,13 @@ Config files and --key=value overrides as train.py takes them; --gpu (a name in 
 import json
 import sys
 
+import train
 from infra import cli
 from infra.plan import config_plan, report
 
 
 def main(argv):
-    cfg, p = config_plan(argv)
+    cfg, p = config_plan(argv, train.check_config)
     report(p, " ".join(a for a in argv if not a.startswith("--")) or "defaults")
     print(json.dumps(p))
     return 0

@@ -320,3 +320,17 @@ def test_hostfile_stop_signal_reaches_the_node_behind_ssh(sshd, small_store, tmp
     assert [s for s, _ in checkpoint.complete_checkpoints(str(out / "ckpt"))] == [n]
     logs = [(logs / f"node_{i}.log").read_text() for i in (0, 1)]
     assert sum(log.count(": SIGUSR1 received") for log in logs) >= 1, logs  # (the ranks agree: one is enough)
+
+
+def test_slurm_installed_but_not_configured_is_one_line(small_store, tmp_path):
+    """sbatch on PATH (Debian's real client) but no slurm.conf where it looks, no controller: a multi-node config
+    would be submitted there; instead one line says SLURM does not answer, with sinfo's own words and the ways out."""
+    _need(["sbatch", "sinfo"])
+    args = ["config/quickstart.py", *small_args(small_store, tmp_path / "run"), "--make_synthetic=False", "--nodes=2"]
+    r = subprocess.run(["bash", "launch.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=_env(SLURM_CONF=str(tmp_path / "no_such_slurm.conf")))
+    last = (r.stdout + r.stderr).strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("error: SLURM is installed here (sbatch) but does not answer"), \
+        r.stdout + r.stderr
+    assert "slurm.conf" in last and "HOSTFILE=" in last and "MODE=local" in last, last
+    assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()

@@ -87,6 +87,15 @@ def _pids_of(out_dir):
     return [int(p) for p in r.stdout.split()]
 
 
+def _rank_of(pid):
+    """A rank process's RANK (torchrun's environment for it), or None."""
+    try:
+        env = dict(x.split("=", 1) for x in open(f"/proc/{pid}/environ").read().split("\0") if "=" in x)
+    except OSError:
+        return None
+    return env.get("RANK") if env.get("TORCHELASTIC_RUN_ID") else None
+
+
 def test_killed_rank_stops_the_job_and_relaunch_resumes(small_store, tmp_path):
     args = ["config/quickstart.py", *small_args(small_store, tmp_path, max_steps=400, ckpt_interval=5),
             "--make_synthetic=False"]
@@ -99,14 +108,17 @@ def test_killed_rank_stops_the_job_and_relaunch_resumes(small_store, tmp_path):
     assert checkpoint.complete_checkpoints(str(tmp_path / "ckpt")), "no checkpoint was written"
     workers = _pids_of(tmp_path)
     assert len(workers) >= 2, workers
-    victim = max(workers)  # a worker (the launcher started before them)
+    victim = next(w for w in workers if _rank_of(w) == "0")  # rank 0, killed without a word (kill -9, an OOM kill)
     os.kill(victim, signal.SIGKILL)
     t = time.time()
     out, err = p.communicate(timeout=120)
     assert time.time() - t < 60, "the job did not stop within 60 s"
     assert p.returncode != 0
-    # torchrun's summary names the failed rank and how it died
+    # torchrun's summary names the failed rank and how it died; the last line names it too, not the rank that noticed
     assert re.search(r"rank\s*:\s*\d+ \(local_rank", err) and ("Signal 9" in err or "SIGKILL" in err), err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: rank 0 (pid {victim}) died first, without an error of its own") and \
+        "rank 1 lost it" in last, last
     done = checkpoint.complete_checkpoints(str(tmp_path / "ckpt"))
     r = launch([*args, "--max_steps=" + str(done[-1][0] + 3)], NPROC="2")
     assert r.returncode == 0, r.stderr[-3000:]

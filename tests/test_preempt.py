@@ -75,18 +75,19 @@ def job_processes(out_dir):
 
 
 def check_stopped(p, out_dir, sig, before):
-    """The run stopped cleanly: exit 75, the reason last, a complete checkpoint at the stop step (besides the
-    earlier ones, `before`: keep_ckpts is 2), STOPPED."""
+    """The run stopped cleanly: exit 75 (a Ctrl-C: launch.sh died of SIGINT, the shell's 130), the reason last, a
+    complete checkpoint at the stop step (besides the earlier ones, `before`: keep_ckpts is 2), STOPPED."""
     rc = p.wait(timeout=120)
     out = open(f"{out_dir}.log").read()
-    assert rc == stop.RESUMABLE, out[-3000:]
+    code, how = (stop.INTERRUPTED, "interrupted by Ctrl-C") if sig == "SIGINT" else (stop.RESUMABLE, "stopped")
+    assert rc == (-signal.SIGINT if sig == "SIGINT" else code), out[-3000:]
     done = checkpoint.complete_checkpoints(str(out_dir / "ckpt"))
     steps = [r["step"] for r in read_log(out_dir)]
     n = steps[-1] + 1  # steps done
     assert [s for s, _ in done] == [*before, n] and 0 < n < ARGS["max_steps"], (done, steps)  # not multiples of 1000
     last = out.strip().splitlines()[-1]
     assert last == (f"launch.sh: stopped by {sig} after {n} steps: checkpoint {out_dir}/ckpt/step_{n:07d} is "
-                    f"complete; run the same command again to continue (exit code 75: stopped, resumable)"), last
+                    f"complete; run the same command again to continue (exit code {code}: {how}, resumable)"), last
     assert (out_dir / "STOPPED").read_text().strip() == last[len("launch.sh: "):]
     assert "Traceback" not in out and "FAILED" not in out, out[-3000:]  # torchrun saw the ranks end normally
     return n
@@ -118,6 +119,58 @@ def test_sigterm_then_sigusr1_each_checkpoint_where_they_stop_and_the_run_ends_o
     m = check_stopped(p, d, "SIGUSR1", [n])
     assert f"resumed from {d}/ckpt/step_{n:07d} (step {n})" in open(f"{d}.log").read()
     resume_to_the_end(small_store, d, m)
+    same_trajectory(reference, d)
+
+
+def test_ctrl_c_checkpoints_where_it_stops_from_the_terminal_or_to_launch_sh_alone(small_store, tmp_path, reference):
+    """Ctrl-C as a terminal sends it (SIGINT to launch.sh's process group: launch.sh and torchrun; the ranks are in
+    sessions of their own), then SIGINT to launch.sh alone: each is one checkpoint at its step, the STOPPED line last,
+    no traceback, and launch.sh dies of the SIGINT (the shell's 130). The relaunches end on the uninterrupted run."""
+    d = tmp_path / "run"
+    p = run_until_steps(small_store, d, 5)
+    os.killpg(p.pid, signal.SIGINT)
+    n = check_stopped(p, d, "SIGINT", [])
+    assert "launch.sh: Ctrl-C: the ranks write a checkpoint after their current step" in open(f"{d}.log").read()
+    p = run_until_steps(small_store, d, n + 5)
+    os.kill(p.pid, signal.SIGINT)
+    m = check_stopped(p, d, "SIGINT", [n])
+    resume_to_the_end(small_store, d, m)
+    same_trajectory(reference, d)
+
+
+def test_a_second_ctrl_c_stops_at_once_and_names_the_newest_checkpoint(small_store, tmp_path, reference):
+    """Step 12 takes a minute (a hook); Ctrl-C reaches the ranks as launch.sh passes it on (each rank, once), then
+    again: they stop at once, with no checkpoint of steps 10-11, and quietly (no traceback); the one line left says
+    that step 10's checkpoint is the newest and how to go on. The relaunch resumes there, on the trajectory."""
+    d = tmp_path / "run"
+    errors = tmp_path / "errors"
+    errors.write_text("")
+    env = job_env(MAE_FAULT="slow_step:12:120", MAE_LAUNCHER="launch.sh", MAE_ERROR_FILE=str(errors))
+    log = open(tmp_path / "out.log", "w")
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          os.path.join(ROOT, "tests/train_hooks.py"), *launch_args(small_store, d, ckpt_interval=10)],
+                         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not (os.path.exists(d / "log.jsonl") and len(read_log(d)) >= 12):
+        time.sleep(0.1)
+    ranks = [pid for pid in job_processes(d) if pid != p.pid]
+    assert len(ranks) == 2, ranks
+    for pid in ranks:
+        os.kill(pid, signal.SIGINT)
+    while time.time() < deadline and open(tmp_path / "out.log").read().count("SIGINT received") < 2:
+        time.sleep(0.1)
+    for pid in ranks:
+        os.kill(pid, signal.SIGINT)
+    assert p.wait(timeout=60) == 0  # (ranks under launch.sh exit 0: it says how the run ended)
+    out = open(tmp_path / "out.log").read()
+    assert "Traceback" not in out, out[-3000:]
+    assert errors.read_text().splitlines()[0] == (
+        f"interrupted (Ctrl-C) at once, without a checkpoint of the steps since the last one; {d}/ckpt/step_0000010 "
+        f"is the newest complete checkpoint: run the same command again to resume from it"), errors.read_text()
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(d / "ckpt"))] == [10]
+    assert not (d / "STOPPED").exists() and not (d / "LEASE").exists()
+    rest = run_train(launch_args(small_store, d, ckpt_interval=10), nproc=2)
+    assert rest.returncode == 0 and f"resumed from {d}/ckpt/step_0000010 (step 10)" in rest.stdout, rest.stderr[-3000:]
     same_trajectory(reference, d)
 
 
@@ -183,14 +236,16 @@ def test_a_second_launch_into_a_running_out_dir_is_refused_and_the_first_runs_on
     assert not (d / "LEASE").exists()
 
 
-def test_a_kill_9_of_the_launcher_takes_its_ranks_frees_the_lease_and_the_relaunch_resumes(
+def test_a_kill_9_of_the_launcher_takes_its_ranks_frees_the_lease_and_the_relaunch_resumes_past_torn_files(
         small_store, tmp_path, reference):
     """kill -9 of launch.sh's process group (launch.sh and torchrun; the ranks are in sessions of their own) after the
-    step-10 checkpoint: the ranks are gone within seconds (no step after the kill is logged), rank 0 released the
-    lease on its way out (whichever rank saw the launcher gone first); the same command again resumes from step 10
-    and ends on the uninterrupted trajectory. (Taking over a lease that a dead rank 0 left: test_operations.py.)"""
+    step-20 checkpoint: the ranks are gone within seconds (no step after the kill is logged), rank 0 released the
+    lease on its way out (whichever rank saw the launcher gone first). What a crash can leave is planted on top: the
+    log's last line cut short, and step 20's COMPLETE marker torn (a partial copy). The same command again drops the
+    torn line and moves step 20 aside (a warning each), resumes from step 10 and ends on the uninterrupted
+    trajectory. (Taking over a lease that a dead rank 0 left: test_operations.py.)"""
     d = tmp_path / "run"
-    p = run_until_steps(small_store, d, 14, ckpt_interval=10)
+    p = run_until_steps(small_store, d, 24, ckpt_interval=10)
     pids = job_processes(d)
     assert p.pid in pids and len(pids) >= 4, pids  # launch.sh, torchrun, 2 ranks
     os.killpg(p.pid, signal.SIGKILL)
@@ -202,9 +257,17 @@ def test_a_kill_9_of_the_launcher_takes_its_ranks_frees_the_lease_and_the_relaun
     time.sleep(1)
     assert len(read_log(d)) == logged  # nothing trains on unseen
     assert not (d / "LEASE").exists()  # out_dir free, for a relaunch from this host or any other
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(d / "ckpt"))] == [10, 20]
+    with open(d / "log.jsonl", "a") as f:
+        f.write('{"step": 24, "loss": 0.9')
+    marker = d / "ckpt" / "step_0000020" / "COMPLETE"
+    marker.write_text(marker.read_text()[:100])
     r = subprocess.run(["bash", "launch.sh", *launch_args(small_store, d, ckpt_interval=10)], cwd=ROOT,
                        env=launch_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert f"WARNING: {d}/log.jsonl ends with 25 bytes that are not a whole record" in r.stdout, r.stdout[-3000:]
+    assert f"checkpoint {d}/ckpt/step_0000020 has a COMPLETE marker that does not parse" in r.stdout, r.stdout[-3000:]
     assert f"resumed from {d}/ckpt/step_0000010 (step 10)" in r.stdout, r.stdout[-3000:]
+    assert (d / "ckpt" / "damaged_step_0000020").is_dir()  # kept aside, never deleted
     same_trajectory(reference, d)
     assert not (d / "LEASE").exists()

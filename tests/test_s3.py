@@ -85,7 +85,8 @@ def test_a_chunk_that_keeps_failing_is_an_error_naming_its_key(s3):
                                                    backoff_s=0.01))
         proxy.fail, proxy.kinds, proxy.delay_s = 1.0, ("delay",), 2.0  # every request now hangs: timeouts
         t = time.time()
-        with pytest.raises(data.DataError, match=r"chunk 'amplitude/c/0/0/0' of 's3://bkt/small.mdio' failed 3 times"):
+        with pytest.raises(data.DataError, match=r"chunk 'amplitude/c/0/0/0' of 's3://bkt/small.mdio': the endpoint "
+                                                 rf"{proxy.endpoint} did not answer in 3 tries of read_timeout_s=0.5 s"):
             vol.read((0, 0, 0), (4, 4, 4))
         assert time.time() - t < 20  # bounded: 3 attempts x 0.5 s timeout + backoff
     finally:

@@ -9,6 +9,8 @@ MAE_FAULT=signal_in_checkpoint:STEP:RANK:SIG   that rank sends itself SIG (TERM,
 MAE_FAULT=die_in_conversion             rank 0 dies (exit 17) once DeepSpeed's ds_to_universal has written the whole
                                         universal checkpoint into universal.tmp/, before it is flushed, marked and
                                         renamed: a crash in the middle of an elastic resume's conversion.
+MAE_FAULT=slow_step:STEP:SECONDS        every rank sleeps SECONDS as training step STEP begins: a long step, for a
+                                        signal to arrive in the middle of.
 MAE_FAULT=no_room_check                  save() does not ask the file system for room first: a disk that fills during
                                         the write itself (someone else's files) is what the run meets.
 MAE_FAULT=nan_in_padding                after setup, the padding at the end of every ZeRO-3 partition (and of its fp32
@@ -71,6 +73,16 @@ if fault[0] == "slow_check":
             time.sleep(float(fault[2]))
         return real_check(cfg)
     train.check_config = check_config
+
+if fault[0] == "slow_step":
+    import time
+    real_train_step = train.train_step
+
+    def train_step(job, step, batches, *a):
+        if step == int(fault[1]):
+            time.sleep(float(fault[2]))  # (in Python: a signal's handler runs inside the sleep, as in a long step)
+        return real_train_step(job, step, batches, *a)
+    train.train_step = train_step
 
 if fault[0] == "no_room_check":
     checkpoint.room = lambda ckpt_dir, need_bytes: None
