@@ -365,7 +365,10 @@ EOF
       exit 75
     fi
     if [ "$rc" -ne 0 ]; then  # each node's log ends with its first error line (run_ranks): repeat the first
-      first=$(grep -h -m1 '^error:' "$LOG_DIR"/node_*.log 2>/dev/null | sed -n 1p || true)
+      # (a node's own reason before a line that only says it lost a peer on another node)
+      first=$({ grep -h '^error:' "$LOG_DIR"/node_*.log 2>/dev/null || true; } | { grep -v 'lost a peer' || true; } |
+              sed -n 1p)
+      first=${first:-$({ grep -h -m1 '^error:' "$LOG_DIR"/node_*.log 2>/dev/null || true; } | sed -n 1p)}
       echo "${first:-error: the step failed (srun exit $rc); per-node logs: $LOG_DIR/node_*.log}" >&2
     fi
     exit "$rc"

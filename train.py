@@ -28,10 +28,14 @@ import sys
 import threading
 import time
 
-if __name__ == "__main__":  # a Ctrl-C while the imports below run (seconds) ends the process quietly: under launch.sh
-    # the ranks inherit torchrun's ignored SIGINT and launch.sh passes each Ctrl-C on; from cli() on, infra/stop.py's
-    # handler has it (0 under launch.sh, which then says how the run ended; else the shell's 130)
-    signal.signal(signal.SIGINT, lambda *_: os._exit(0 if os.environ.get("MAE_LAUNCHER") == "launch.sh" else 130))
+if __name__ == "__main__":  # a Ctrl-C while the imports below run (seconds) ends the process with one line: under
+    # launch.sh the ranks inherit torchrun's ignored SIGINT and launch.sh passes each Ctrl-C on; from cli() on,
+    # infra/stop.py's handler has it (0 under launch.sh, which then says how the run ended; else the shell's 130)
+    def _interrupted_at_start(*_):
+        if os.environ.get("RANK", "0") == "0":
+            os.write(2, b"interrupted (Ctrl-C) during start-up, before anything was written\n")
+        os._exit(0 if os.environ.get("MAE_LAUNCHER") == "launch.sh" else 130)
+    signal.signal(signal.SIGINT, _interrupted_at_start)
 
 import torch
 

@@ -19,20 +19,22 @@ GPU check), s3_loopback.py (a real S3 endpoint on loopback, shared with the test
 import json
 import sys
 
-import torch
-
 from bench.data import bench_data, bench_library
 from bench.plan import bench_plan
 from bench.step import bench_attention, bench_bf16, bench_embed, bench_step, bench_strategies
+from configurator import ConfigError
+from infra import cli
 
 CMDS = {"step": bench_step, "attention": bench_attention, "strategies": bench_strategies, "bf16": bench_bf16,
         "embed": bench_embed, "data": bench_data, "library": bench_library, "plan": bench_plan}
 
-if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] not in CMDS:
-        print(f"usage: python -m bench {{{'|'.join(CMDS)}}} [CONFIG] [--key=value ...]", file=sys.stderr)
-        sys.exit(2)
-    result = CMDS[sys.argv[1]](sys.argv[2:])
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    print(json.dumps(result))
+
+def main(argv):
+    if not argv or argv[0] not in CMDS:
+        raise ConfigError(f"usage: python -m bench {{{'|'.join(CMDS)}}} [CONFIG] [--key=value ...]")
+    print(json.dumps(CMDS[argv[0]](argv[1:])))
+    return 0
+
+
+if __name__ == "__main__":  # (through infra/cli.py: a bad config or option is one line, as for every command)
+    sys.exit(cli.run(main, sys.argv[1:]))

@@ -109,8 +109,9 @@ def run(main, argv, interrupted="nothing of this command's was left half-written
                 note_error(line)
             print(line, file=sys.stderr, flush=True)
             return finish(1)
+        elsewhere = lost and len(distributed.siblings) < int(os.environ.get("WORLD_SIZE", "1")) - 1
         note_error(f"error: (rank {rank}) " + ("lost a peer on another node (that node's log names the rank that "
-                                               "died first): " if lost else "") + why)
+                                               "died first): " if elsewhere else "") + why)
         raise
     return finish(rc)
 

@@ -44,8 +44,9 @@ def test_features_are_the_same_on_any_layout_and_after_a_restart(small_store, st
     for name, extra, nproc in (("dp2", [], 2), ("cp2", ["--cp=2", "--batch=3"], 2)):  # dp2: all its windows at once
         r = run_embed(base + [f"--out={out[name]}"] + extra, nproc=nproc)
         assert r.returncode == 0, r.stderr[-3000:]
-    r = run_embed(base + [f"--out={out['restart']}", "--stop_after=7", "--batch=5"])
-    assert r.returncode == 75 and len(os.listdir(os.path.join(out["restart"], "embed_done"))) == 7, r.stderr[-2000:]
+    r = run_embed(base + [f"--out={out['restart']}", "--stop_after=7", "--batch=5"])  # (built as OUT.partial)
+    assert r.returncode == 75 and len(os.listdir(os.path.join(out["restart"] + ".partial", "embed_done"))) == 7, \
+        r.stderr[-2000:]
     r = run_embed(base + [f"--out={out['restart']}"])
     assert r.returncode == 0, r.stderr[-3000:]
     info = json.loads(r.stdout.strip().splitlines()[-1])
@@ -65,7 +66,8 @@ def test_features_are_the_same_on_any_layout_and_after_a_restart(small_store, st
     assert os.path.getsize(out["one"] + ".png") > 10_000  # the principal-component picture
     # a second run into a store of other features is refused, nothing written
     r = run_embed([model, small_store, f"--out={out['one']}", "--stride=(8,8,8)"])
-    assert r.returncode == 2 and "holds features of another" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2 and "holds a features store made with other inputs or settings" in r.stderr, \
+        r.stderr[-2000:]
 
 
 def test_every_window_owns_its_centre():

@@ -90,7 +90,8 @@ def test_every_strategy_exports_one_file_of_fp32_weights(runs, files):
         assert (obj["format"], obj["version"], obj["step"], obj["encoder_only"]) == ("seismic-mae", 1, 8, False)
         assert obj["config"] == meta["config"] and obj["config"]["strategy"] == name.split("_")[0]
         assert obj["source"] == {"strategy": name.split("_")[0], "world": 2, "tag": "step_0000008",
-                                 "dtype": "torch.bfloat16" if "bf16" in name else "torch.float32"}
+                                 "dtype": "torch.bfloat16" if "bf16" in name else "torch.float32",
+                                 "ckpt_dir": os.path.join(str(d), "ckpt")}
         want = modelfile.build_model(obj["config"], device="meta").state_dict()
         assert list(obj["model"]) == list(want)  # the plain module names, in the MAE's order
         for k, t in obj["model"].items():
@@ -284,12 +285,12 @@ def test_reconstruct_reproduces_validation_sample_0(runs, files, tmp_path):
     try:
         url = s3.upload_dir(cfg["data_paths"][0], "recon", "small.mdio")
         r4, out4 = recon(path, f"--data={url}", f"--s3_endpoint={s3.endpoint}", f"--origin={origin}",
-                         f"--seed={cfg['seed']}", f"--out={fig}")
+                         f"--seed={cfg['seed']}", f"--out={tmp_path / 'r4.png'}")  # (another figure: other data)
     finally:
         s3.stop()
     assert r4.returncode == 0 and out4["masked_mse"] == out["masked_mse"], r4.stderr[-3000:]
     # a drawn crop of another size and mask ratio (the positions are computed per token: any grid of patches)
-    r3, out3 = recon(path, "--crop=(16,32,32)", "--mask_ratio=0.5", f"--out={fig}")
+    r3, out3 = recon(path, "--crop=(16,32,32)", "--mask_ratio=0.5", f"--out={tmp_path / 'r3.png'}")
     assert r3.returncode == 0 and out3["tokens"] == 32 and out3["masked_patches"] == 16, r3.stderr[-3000:]
     assert 32 <= out3["origin"][0] <= 48 - 16  # drawn inside the held-out inlines
 

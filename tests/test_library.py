@@ -169,7 +169,7 @@ def test_a_run_from_a_manifest_with_a_held_out_store(lib, tmp_path):
     A glob that matches nothing ends the run before any work, with one line."""
     m = tmp_path / "index.jsonl"
     library.index([str(lib / "a.mdio"), str(lib / "b.mdio")], out=str(m))
-    library.index([str(lib / "c.mdio")], out=str(m), extra={"split": "val"})
+    library.index([str(lib / "c.mdio")], out=str(m), extra={"split": "val"}, add=True)
     r = run_train(small_args(lib / "a.mdio", tmp_path / "m", data_paths=["@" + str(m)], max_steps=4), nproc=1)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "data: 2 training store(s), 1 held-out" in r.stdout, r.stdout[-2000:]

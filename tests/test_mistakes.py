@@ -385,6 +385,23 @@ def test_every_command_option_is_checked_before_any_work(models, small_store, tm
             assert sorted(os.listdir(tmp_path)) == before, (name, arg)
 
 
+def test_the_options_that_crashed_are_one_line_before_any_work(models, tmp_path):
+    """The options found crashing, through the commands as a user types them: label_efficiency's --test=0 (it used to
+    fail after 218 s of pretraining), --batch=0, --patch=0, --labels=a; probe's --steps=0 and --n_faults=-1; and
+    reconstruct's --mask_ratio=0.999, which training refuses (every token masked)."""
+    for args, says in ((("-m", "scripts.label_efficiency", "--test=0", f"--out={tmp_path / 'le'}"), "--test=0"),
+                       (("-m", "scripts.label_efficiency", "--batch=0"), "--batch=0"),
+                       (("-m", "scripts.label_efficiency", "--patch=0"), "--patch=0"),
+                       (("-m", "scripts.label_efficiency", "--labels=a"), "--labels='a'"),
+                       (("-m", "scripts.probe", str(models[0]), "--steps=0"), "--steps=0"),
+                       (("-m", "scripts.probe", str(models[0]), "--n_faults=-1"), "--n_faults=-1"),
+                       (("-m", "scripts.reconstruct", str(models[0]), "--mask_ratio=0.999"), "leaves no visible token")):
+        t0 = time.time()
+        one_error_line(command(*args), says)
+        assert time.time() - t0 < 30, args
+    assert not (tmp_path / "le").exists() and not any("model_step" in f for f in os.listdir(models[0]))
+
+
 def test_s3_globs_fail_as_clearly_as_plain_paths_naming_the_endpoint(small_store, tmp_path):
     """A glob over S3 with credentials the endpoint refuses, a dead port, an endpoint that never answers: one line
     naming the endpoint (and, for the silent one, the options that set the patience), after a warning per try."""
@@ -484,3 +501,11 @@ def test_data_that_cannot_train_is_refused_once_with_a_fix_that_works(tmp_path):
         r = run_train(small_args(str(store), tmp_path / "run"))
         line = one_error_line(r, says, "nothing to train on", "drop it from data_paths")
         assert "times" not in line and "ZeroDivisionError" not in line and time.time() - t0 < 30, line  # (no retries)
+    # (one more) an array dead along its diagonal, where the statistics were first estimated, but live elsewhere: it
+    # used to be refused with advice to add mean / std attributes; the estimate now reads further and it trains
+    patchy = tmp_path / "patchy.zarr"
+    a = zarr.open_array(str(patchy), mode="w", shape=(32, 32, 32), chunks=(16, 16, 32), dtype="float32")
+    a[:] = np.nan
+    a[:16, 16:] = np.random.default_rng(0).normal(size=(16, 16, 32)).astype(np.float32)
+    r = run_train(small_args(str(patchy), tmp_path / "run2", val_frac=0.0, max_steps=2))
+    assert r.returncode == 0, r.stderr[-3000:]
