@@ -318,8 +318,9 @@ case "$MODE" in
     ;;
   slurm)
     if [ -z "${SLURM_JOB_ID:-}" ]; then  # not in an allocation yet: submit this script for the config's nodes
-      # SLURM installed but not answering (no slurm.conf, no controller): one line, before sbatch's own words
-      if ! why=$(sinfo -h -o '%P' 2>&1 >/dev/null); then
+      # SLURM installed but not answering (no slurm.conf, no controller): one line, before sbatch's own words (sinfo
+      # itself retries a missing slurm.conf for a minute: 10 s is answer enough)
+      if ! why=$(timeout 10 sinfo -h -o '%P' 2>&1 >/dev/null); then
         echo "error: SLURM is installed here (sbatch) but does not answer: sinfo says '$(echo "$why" | sed -n 1p)'." \
              "Configure it (slurm.conf, a running slurmctld), or launch without it: HOSTFILE=hosts bash launch.sh ..." \
              "over ssh, or MODE=local on one machine" >&2

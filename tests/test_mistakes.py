@@ -385,6 +385,7 @@ def test_every_command_option_is_checked_before_any_work(models, small_store, tm
             assert sorted(os.listdir(tmp_path)) == before, (name, arg)
 
 
+@pytest.mark.slow
 def test_the_options_that_crashed_are_one_line_before_any_work(models, tmp_path):
     """The options found crashing, through the commands as a user types them: label_efficiency's --test=0 (it used to
     fail after 218 s of pretraining), --batch=0, --patch=0, --labels=a; probe's --steps=0 and --n_faults=-1; and
@@ -402,6 +403,7 @@ def test_the_options_that_crashed_are_one_line_before_any_work(models, tmp_path)
     assert not (tmp_path / "le").exists() and not any("model_step" in f for f in os.listdir(models[0]))
 
 
+@pytest.mark.slow
 def test_s3_globs_fail_as_clearly_as_plain_paths_naming_the_endpoint(small_store, tmp_path):
     """A glob over S3 with credentials the endpoint refuses, a dead port, an endpoint that never answers: one line
     naming the endpoint (and, for the silent one, the options that set the patience), after a warning per try."""
@@ -470,6 +472,7 @@ def test_ctrl_c_to_a_command_is_one_line_and_the_shells_code(small_store, tmp_pa
 # 5. advice that is right
 
 
+@pytest.mark.slow
 def test_make_synthetic_uses_what_is_there_and_says_when_it_writes(tmp_path):
     """With the quickstart's make_synthetic=True: a real Zarr v2 store at the path is the data (it used to be told to
     remove it), untouched; a path where nothing is gets a synthetic volume and one line saying so."""
