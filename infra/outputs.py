@@ -76,7 +76,8 @@ def check_folder(path, option="--out"):
         while up and not os.path.exists(up):
             up = os.path.dirname(up)
         if up and not os.path.isdir(up):
-            raise ConfigError(f"{option}={path!r} lies under {up!r}, which is a file, not a folder: choose another path")
+            raise ConfigError(f"{option}={path!r} lies under {up!r}, which is a file, not a folder: choose another "
+                              f"path")
         raise ConfigError(f"{option}={path!r}: the folder {folder!r} does not exist: create it first (mkdir -p "
                           f"{folder}), or correct the path")
     if not os.access(folder, os.W_OK | os.X_OK) or _read_only(folder):

@@ -314,7 +314,8 @@ class Volume:
             zarr.config.set({"async.concurrency": 4 * self.opts.in_flight})
         # metadata reads go over the network too: retried like chunks; not-found and denied are final
         with_retries(self._open, self.opts, f"opening {url!r}",
-                     permanent=(PermissionError, FileNotFoundError, DataError, zarr.errors.BaseZarrError) + NOT_TRANSIENT)
+                     permanent=(PermissionError, FileNotFoundError, DataError, zarr.errors.BaseZarrError)
+                     + NOT_TRANSIENT)
         self.shape, self.chunks = tuple(self.arr.shape), tuple(self.arr.chunks)
         self.decode = chunk_decoder(self.arr)  # None: a layout zarr's own pipeline reads
         if record is not None:  # the store must still be the one indexed

@@ -73,9 +73,9 @@ class StopRequest:
 
     def finished(self):
         """The stop is complete (checkpoint and STOPPED written): further stop signals (a Ctrl-C too) are ignored, to
-        the end of the process. A repeat can arrive late (over ssh, say); with the default action restored it would kill the rank
-        while it exits, and torchrun would report a failure (on multi-node, hold the others at its exit barrier).
-        Python's shutdown leaves an ignored signal ignored."""
+        the end of the process. A repeat can arrive late (over ssh, say); with the default action restored it would
+        kill the rank while it exits, and torchrun would report a failure (on multi-node, hold the others at its exit
+        barrier). Python's shutdown leaves an ignored signal ignored."""
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
 

@@ -268,8 +268,9 @@ def ensure_synthetic(path, shape, seed=0, chunks=(64, 64, 64), opts=None, log=pr
     os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
     vol, fault, _ = synthetic_volume(shape, seed=seed, labels=True)
     write_mdio(local, vol, chunks=chunks, fault=fault)
-    log(f"make_synthetic=True: nothing was at {path}, so a synthetic volume was written there ({' x '.join(map(str, shape))}"
-        f" voxels with fault labels, infra/synthetic.py); to train on your own data, set data_paths to it")
+    log(f"make_synthetic=True: nothing was at {path}, so a synthetic volume was written there "
+        f"({' x '.join(map(str, shape))} voxels with fault labels, infra/synthetic.py); to train on your own data, set "
+        f"data_paths to it")
     return path
 
 

@@ -107,7 +107,8 @@ def main(argv):
     a = parse(argv)
     rank, world, device = distributed.init()  # torchrun's ranks, or a world of 1
     cp = a.cp
-    cli.need(a.batch >= 0, f"--batch={a.batch}: windows per forward pass, >= 1 (0: as many as fit {BATCH_TOKENS:,} tokens)")
+    cli.need(a.batch >= 0, f"--batch={a.batch}: windows per forward pass, >= 1 (0: as many as fit "
+                           f"{BATCH_TOKENS:,} tokens)")
     if cp < 1 or world % cp:
         raise configurator.ConfigError(f"--cp={cp} must divide the world size {world}")
     cp_rank, dp_rank, dp, cp_group = distributed.cp_groups(cp)
@@ -320,4 +321,5 @@ def finish(out, work, settings, so):
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(main, sys.argv[1:]))
+    sys.exit(cli.run(main, sys.argv[1:], interrupted="the windows written so far are kept (OUT.partial locally): the "
+                                                     "same command goes on from them"))

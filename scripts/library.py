@@ -54,4 +54,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(main, sys.argv[1:]))
+    sys.exit(cli.run(main, sys.argv[1:], interrupted="the stores indexed so far are kept (MANIFEST.partial locally): "
+                                                     "the same command goes on from them"))
