@@ -97,7 +97,9 @@ def bench_data(argv):
     opts = {"latency_ms": 20.0, "crops": 128, "shape": (128, 128, 512), "chunk": 64, "crop": 64, "steps": 60,
             "levels": (1, 4, 16, 64), "rounds": 16}
     import configurator
+    from infra import cli
     configurator.apply(opts, argv)
+    cli.positive(opts, zero_ok=("latency_ms",))
     lat = opts["latency_ms"] / 1000
     rows, out = [], {"bench": "data", "latency_ms": opts["latency_ms"], "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory() as d:
@@ -251,7 +253,9 @@ def bench_library(argv):
     from infra import synthetic
     opts = {"latency_ms": 20.0, "stores": (100, 1000), "in_flight": 32, "old": 100}
     import configurator
+    from infra import cli
     configurator.apply(opts, argv)
+    cli.positive(opts, zero_ok=("latency_ms", "old"))
     lat = opts["latency_ms"] / 1000
     out, rows = {"bench": "library", "latency_ms": opts["latency_ms"]}, []
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -207,10 +207,13 @@ def _run_attention(variant, ranks, B, H, N, D, iters):
 def bench_attention(argv):
     opts = {"n": 16384, "ranks": 2, "batch": 1, "heads": 4, "dim": 64, "iters": 2, "only": "sdpa,ring,torch"}
     import configurator
+    from infra import cli
     configurator.apply(opts, argv)
+    cli.positive(opts)
     B, H, N, D, P = opts["batch"], opts["heads"], opts["n"], opts["dim"], opts["ranks"]
-    assert N % P == 0, f"n={N} must divide by ranks={P}"
+    cli.need(N % P == 0, f"--n={N} must divide by --ranks={P}")
     variants = opts["only"].split(",")
+    cli.need(set(variants) <= {"sdpa", "ring", "torch"}, f"--only={opts['only']!r}: some of sdpa, ring, torch")
     res = {v: _run_attention(v, P, B, H, N, D, opts["iters"]) for v in variants}
     rows = []
     flops = 4 * B * H * N * N * D  # forward matmul FLOPs of the whole attention

@@ -41,6 +41,15 @@ def need(ok, msg):
         raise ConfigError(msg)
 
 
+def positive(opts, zero_ok=()):
+    """A bench's numeric options (a dict of numbers and tuples of them), each > 0 (>= 0 for those in zero_ok): else
+    one ConfigError naming the first that is not."""
+    for k, v in opts.items():
+        for x in (v if isinstance(v, tuple) else (v,)):
+            if isinstance(x, (int, float)) and not isinstance(x, bool) and not (x >= 0 if k in zero_ok else x > 0):
+                raise ConfigError(f"--{k}={v!r} must be {'>= 0' if k in zero_ok else '> 0'}")
+
+
 def triple(text, what, least=1):
     """A command line's (inline, crossline, time) triple: "64,64,128", "(64,64,128)" or "[64, 64, 128]" -> a tuple of
     3 ints >= least (1: positive, 0: non-negative); "" -> None (the caller's default). Anything else is a ConfigError naming the option."""

@@ -383,6 +383,12 @@ def test_every_command_option_is_checked_before_any_work(models, small_store, tm
                 rc = e.code
             assert rc == 2, (name, arg, rc)
             assert sorted(os.listdir(tmp_path)) == before, (name, arg)
+    # the benches' options (python -m bench NAME --key=value): their ranges too
+    bench = __import__("bench.__main__", fromlist=["main"])
+    for argv in (["nothing"], ["attention", "--n=0"], ["attention", "--only=fast"], ["attention", "--n=15"],
+                 ["data", "--crops=0"], ["library", "--in_flight=-1"], ["plan", "config/quickstart.py", "--crop=(0,8,8)"],
+                 ["step", "config/quickstart.py", "--max_steps=0"]):
+        assert cli.run(bench.main, argv) == 2, argv
 
 
 @pytest.mark.slow
