@@ -304,9 +304,7 @@ def memory_table(rows):
 def bench_plan(argv):
     """The plan of a config (infra/plan.py) with the checks of its terms on this machine, JSON last."""
     import train
-    import train
     cfg, p = config_plan(argv, train.check_config)
-    train.check_config(cfg)
     report(p, " ".join(a for a in argv if not a.startswith("--")) or "defaults")
     crow, worst = calibrate()
     print("\nplanner terms vs measurements on small configs (fp32, this machine):")
