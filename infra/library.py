@@ -190,8 +190,9 @@ def _kept(out, entries, urls, extra, opts, overwrite, add):
     inputs = urls + [e[1:] for e in entries if e.startswith("@")]
     outputs.refuse_inside(out, inputs)
     if outputs.is_remote(out):
-        found = _records(out, opts) if _exists(out, opts) else None
-        kept = found
+        found = (_records(out, opts) or outputs.Foreign("an object that is not a manifest")) if _exists(out, opts) \
+            else None
+        kept = None if isinstance(found, outputs.Foreign) else found
     else:
         outputs.check_folder(out)
         found = outputs.inspect_file(out, lambda p: _records(p, opts), "a manifest")

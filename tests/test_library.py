@@ -203,5 +203,10 @@ def test_glob_and_manifest_on_loopback_s3(lib):
         remote = data.Sampler(library.expand(["@" + manifest], opts), opts=opts, **kw)
         local = data.Sampler([str(lib / n) for n in sorted(SHAPES)], **kw)
         assert same(batches(local), batches(remote))
+        # an object there that is not a manifest is never written over, on S3 as locally
+        m.client().put_object(Bucket="lib", Key="notes.csv", Body=b"a,b,c\n")
+        with pytest.raises(configurator.ConfigError, match="is an object that is not a manifest"):
+            library.index(["s3://lib/surveys/*.mdio"], opts, out="s3://lib/notes.csv")
+        assert m.client().get_object(Bucket="lib", Key="notes.csv")["Body"].read() == b"a,b,c\n"
     finally:
         m.stop()
