@@ -79,6 +79,8 @@ val_paths = []  # held-out stores (as data_paths; also manifest lines with split
 val_frac = 0.1  # inline fraction of each training volume held out (when val_paths is empty); 0 = no validation
 eval_interval = 100  # steps between evaluations (also one before the first step and one after the last)
 eval_samples = 16  # fixed validation samples: crops and masks are functions of (seed, validation index) only
+val_floor = True  # mae: also score a predictor that learns nothing (kriging, infra/floor.py) on the same masked
+#                   patches, once, at the first evaluation: the loss an MAE must get below (val_floor in log.jsonl)
 eval_only = False  # evaluate the newest complete checkpoint (val_loss and its figure), then exit
 figures = True  # rank 0 writes out_dir/figures/recon_step_N.png and loss.png at each evaluation (matplotlib)
 tensorboard = False  # also send scalars and figures to torch.utils.tensorboard, in out_dir/tb

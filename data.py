@@ -155,6 +155,12 @@ class Sampler:
             for v in range(len(self.records)):
                 self.volume(v).variable(label_var)
 
+    def whole(self):
+        """The same stream as whole samples (no cp slab): what infra/evaluate.floor_of reads; close() it after."""
+        return Sampler(self.records, self.crop, seed=self.seed, micro_batch=self.micro_batch, align=self.align,
+                       min_live=self.min_live, opts=self.opts, part=self.part, stream=self.stream,
+                       weighting=self.weighting, max_open=self.max_open)
+
     def global_index(self, step, micro, i):
         """Sample number in the whole run's stream: steps, then micro steps, then dp ranks, then batch rows. Step s
         reads samples [s x global batch, (s + 1) x global batch) in any dp x cp layout, so a run resumed on other

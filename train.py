@@ -197,6 +197,7 @@ class Job:
     optimizer: torch.optim.Optimizer = None
     lease: object = None  # lease.Lease: rank 0's hold on out_dir (infra/lease.py); None on the other ranks
     ckpt_bytes: int = 0  # the planner's size of one checkpoint: the room save() asks the file system for
+    floor: dict = None  # evaluate.floor_of's, once per process: the validation's floor (rank 0; {} elsewhere)
 
     @property
     def on_gpu(self):

@@ -128,6 +128,42 @@ def run_segment(forward, model, sampler, n, device, dtype, micro_batch, cp_rank=
     return float(sums.mean()), scores, slices
 
 
+@torch.no_grad()
+def floor_of(job):
+    """The validation floor of a train.py job (infra/floor.py), on rank 0 (None elsewhere, for fine-tuning and
+    without validation): {"val_floor": the mean over validation samples 0..eval_samples-1 of the floor's masked loss
+    on exactly their masks, "floor_alpha"}. The covariance table and alpha are fitted on the training
+    stream's first floor.FIT_CROPS crops and their masks. Samples are read whole (under cp a rank holds a slab, and a
+    masked patch at its border reads its neighbour's voxels); the masks are the ones the cp ranks' shares make up."""
+    from infra import floor
+    cfg, model = job.cfg, job.model
+    if job.rank != 0 or cfg["task"] != "mae" or job.val_sampler is None:
+        return None
+    t0, patch, dev = time.time(), model.patch, job.device
+
+    def masks(ids, stream):  # the whole samples' masks: the strata decide them, not the ranks
+        return model.keep_ids(data.mask_noise(cfg["seed"], ids, model.L, 0, 1, stream=stream), 0, 1).to(dev)
+    train, val = job.sampler.whole(), job.val_sampler.whole()
+    try:
+        fit = list(range(max(1, min(floor.FIT_CROPS, floor.FIT_VOXELS // math.prod(cfg["crop"])))))
+        crops = train.read(fit).to(dev)
+        table = floor.covariance(crops, patch)
+        few = fit[:floor.FIT_ALPHA]
+        alpha = floor.fit_scale(crops[:len(few)], masks(few, "train"), patch, table) if model.norm_pix_loss else 1.0
+        total, n = 0.0, cfg["eval_samples"]
+        for s in range(0, n, cfg["micro_batch"]):
+            ids = list(range(s, min(n, s + cfg["micro_batch"])))
+            x, keep = val.read(ids).to(dev), masks(ids, "val")
+            pred = floor.floor_pred(x, keep, patch, table, model.norm_pix_loss, alpha)
+            total += float(floor.loss_per_sample(pred, x, keep, model).sum())
+    finally:
+        train.close()
+        val.close()
+    job.log(f"floor: kriging on the same masked patches of the {n} validation samples, {time.time() - t0:.1f} s "
+            f"(once per run)")
+    return {"val_floor": total / n, "floor_alpha": round(alpha, 4)}
+
+
 def on_job(job, step, log_file):
     """train.py's evaluation: the validation loss of the job's model as it is now, after `step` optimizer
     steps. Every rank computes its share (run), rank 0 logs it (log_file: log.jsonl, or None) and draws the
@@ -152,6 +188,11 @@ def on_job(job, step, log_file):
     record = {"step": step, "val_loss": val}
     if segment:
         record.update(val_iou=scores["iou"], val_dice=scores["dice"])
+    elif cfg["val_floor"]:
+        if job.floor is None:  # the same number at every evaluation (it learns nothing): computed once
+            job.floor = floor_of(job) or {}
+        record.update(job.floor)
+    below = floor_words(val, record.get("val_floor"))
     if log_file:  # (eval_s: the forward passes; the figures come after)
         log_file.write(json.dumps({**record, "eval_s": round(time.time() - t0, 3)}) + "\n")
         log_file.flush()
@@ -166,6 +207,9 @@ def on_job(job, step, log_file):
                              f"{what} | step {step} | IoU per class {[round(s, 3) for s in scores['iou']]}")
         else:
             title = figure_title(what, step, per[0], 1 - job.model.n_keep() / job.model.L, cfg["norm_pix_loss"])
+            if below:
+                title = title.replace("\n", f" | validation {val:.4f}, {below}\n", 1) if "\n" in title else \
+                    f"{title}\nvalidation {val:.4f}, {below}"
             fig = recon_figure(os.path.join(fig_dir, f"recon_step_{step:07d}.png"), slices, origin, title)
         if log_file:
             loss_figure(os.path.join(fig_dir, "loss.png"), log_file.name,
@@ -173,7 +217,7 @@ def on_job(job, step, log_file):
     extra = (f" | IoU {scores['iou'][-1]:.4f}, Dice {scores['dice'][-1]:.4f} (class {len(scores['iou']) - 1})"
              if segment else "")
     job.log(f"step {step:5d} | val loss {val:.4f}{extra} over {cfg['eval_samples']} held-out samples | "
-            f"{time.time() - t0:.2f} s")
+            f"{time.time() - t0:.2f} s" + (f" | {below}" if below else ""))
     return record, fig
 
 
@@ -318,6 +362,19 @@ def read_losses(log_path):
     return train, val
 
 
+def read_floor(log_path):
+    """The last val_floor log.jsonl holds (evaluate.floor_of's), or None."""
+    floor = None
+    with open(log_path) as f:
+        for line in f:
+            if '"val_floor"' in line:
+                try:
+                    floor = json.loads(line)["val_floor"]
+                except ValueError:
+                    continue
+    return floor
+
+
 def loss_figure(path, log_path, ylabel="masked MSE", record=None):
     """Train and validation loss against step, log scale, from log.jsonl."""
     import matplotlib
@@ -330,6 +387,9 @@ def loss_figure(path, log_path, ylabel="masked MSE", record=None):
         ax.plot(sorted(train), [train[s] for s in sorted(train)], lw=1, label="train (per step)")
     if val:
         ax.plot(sorted(val), [val[s] for s in sorted(val)], "o-", ms=4, label="validation (held out)")
+    floor = read_floor(log_path)
+    if floor is not None:  # the loss a predictor that learns nothing gets on the same patches (infra/floor.py)
+        ax.axhline(floor, color="k", ls="--", lw=1, label=f"floor: kriging, {floor:.3f}")
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
@@ -338,6 +398,15 @@ def loss_figure(path, log_path, ylabel="masked MSE", record=None):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     outputs.save_figure(fig, path, record)
     return fig
+
+
+def floor_words(loss, floor):
+    """How far below (or above) the floor a validation loss is, in words for the log line and the figure."""
+    if floor is None:
+        return ""
+    if loss < floor:
+        return f"floor {floor:.4f} (kriging): {floor - loss:.4f} below it"
+    return f"floor {floor:.4f} (kriging): {loss - floor:.4f} ABOVE it, not yet better than interpolation"
 
 
 def figure_title(what, step, mse, mask_ratio, norm_pix):

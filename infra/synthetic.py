@@ -115,9 +115,16 @@ def fault_mask(shape, planes, half_width=FAULT_HALF_WIDTH):
     return mask
 
 
-def faultseg_volume(shape, seed=0, dt=0.004, half_width=FAULT_HALF_WIDTH, snr_db=None):
+RECIPE_SIZE = 128  # FaultSeg3D's volumes are 128^3: its fault count, throws and fold widths are set for that size
+
+
+def faultseg_volume(shape, seed=0, dt=0.004, half_width=FAULT_HALF_WIDTH, snr_db=None, recipe_size=RECIPE_SIZE):
     """A fault-segmentation training volume by FaultSeg3D's published recipe (Wu et al. 2019, Geophysics), with its
     labels: (vol float32 (inline, crossline, time), standardised; fault uint8 (1 on a fault); the faults as dicts).
+    A shape smaller than recipe_size along an axis is cut from a volume drawn at recipe_size there (at an origin
+    drawn from the seed), so that faults are as dense as the recipe makes them: 5-8 faults drawn into a 64^3
+    volume put 17.5 % of its voxels on a fault, into 128^3 (the recipe's size) 8.5 %. The cut is standardised
+    again, and the faults' centres are given in its coordinates.
 
       * a random 1D reflectivity series (values uniform in [-1, 1]) in reference time tau;
       * folding: a vertical shift s1 = a0 + 1.5 t / nt * sum of Gaussian bumps over (inline, crossline), growing
@@ -131,6 +138,15 @@ def faultseg_volume(shape, seed=0, dt=0.004, half_width=FAULT_HALF_WIDTH, snr_db
       * standardised (mean 0, std 1). The labels: the voxels within half_width of a fault plane (measured where that
         fault cut, before later faults moved it) wherever its throw is at least one sample.
     Every voxel is mapped back to the reference by undoing the faults newest first, then the folding."""
+    full = tuple(max(int(n), recipe_size) for n in shape)
+    if full != tuple(shape):  # cut `shape` out of the recipe's volume (a stream of its own draws the origin)
+        vol, fault, faults = faultseg_volume(full, seed, dt, half_width, snr_db, recipe_size)
+        o = [int(np.random.default_rng([seed, 26]).integers(0, f - n + 1)) for f, n in zip(full, shape)]
+        cut = tuple(slice(a, a + n) for a, n in zip(o, shape))
+        vol = vol[cut]
+        for f in faults:
+            f["centre"] = f["centre"] - np.array(o, dtype=np.float64)
+        return ((vol - vol.mean()) / vol.std()).astype(np.float32), np.ascontiguousarray(fault[cut]), faults
     ni, nx, nt = shape
     rng = np.random.default_rng([seed, 25])  # a stream of its own: synthetic_volume's seeds draw other volumes
     x = [np.broadcast_to(np.arange(n, dtype=np.float64).reshape([-1 if k == a else 1 for k in range(3)]), shape)
