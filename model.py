@@ -7,7 +7,9 @@ Read top to bottom:
   3. masking                   per-sample random masking by argsort of noise (the MAE recipe)
   4. attention + Block         every attention call goes through `attention()`
   5. MAE                       encoder on visible tokens + cls, decoder on all tokens, loss
-  6. model sizes               one-line functions, tiny .. G; build_model(cfg): the MAE of a config
+  6. the segmentation head     UNETR-style: encoder features at several depths, upsampled by 3D convolutions
+                               with skips down to a full-resolution branch on the amplitude (fine-tuning's default)
+  7. model sizes               one-line functions, tiny .. G; build_model(cfg): the MAE of a config
 
 Axis convention. A volume is (inline, crossline, time), the MDIO order. In torch it is a tensor
 (B, 1, Z, Y, X) with Z = inline, Y = crossline, X = time, i.e. Conv3d's (D, H, W). A token grid is
@@ -225,7 +227,8 @@ class Block(nn.Module):
 class MAE(nn.Module):
     def __init__(self, grid=(4, 4, 4), patch=(16, 16, 16), dim=1024, depth=24, heads=16,
                  dec_dim=512, dec_depth=8, dec_heads=16, mlp_ratio=4.0, mask_ratio=0.75,
-                 norm_pix_loss=False, grad_ckpt=False, mask_strata=1, seg_classes=0, seg_pos_weight=1.0):
+                 norm_pix_loss=False, grad_ckpt=False, mask_strata=1, seg_classes=0, seg_pos_weight=1.0,
+                 seg_head="unetr", seg_features=16):
         super().__init__()
         self.grid, self.patch = tuple(grid), tuple(patch)
         self.L = math.prod(self.grid)  # tokens per sample
@@ -242,19 +245,25 @@ class MAE(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.blocks = nn.ModuleList([Block(dim, heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim, eps=1e-6)
-        # decoder: narrower and shallower; its own fixed positions; predicts the voxels of each patch. For fine-tuning
-        # (seg_classes > 0) the same blocks are the segmentation head, on every token, and seg_pred replaces
-        # decoder_pred and the mask token: each patch's voxels' class logits (one logit per voxel when binary)
-        self.decoder_embed = nn.Linear(dim, dec_dim)
+        # decoder: narrower and shallower; its own fixed positions; predicts the voxels of each patch. Fine-tuning
+        # (seg_classes > 0) replaces it by a segmentation head: seg_head="unetr" (section 6), or "linear", the probe's:
+        # the decoder's blocks on every token and seg_pred for decoder_pred and the mask token, each patch's voxels'
+        # class logits from its token alone (one logit per voxel when binary)
         self.seg_classes, self.seg_out = seg_classes, (1 if seg_classes == 2 else seg_classes)
         self.seg_pos_weight = seg_pos_weight  # binary: the loss weight of class-1 voxels (seg_loss)
+        self.seg_head = seg_head if seg_classes else None
+        if self.seg_head == "unetr":
+            self.head = UNETRHead(dim, depth, self.patch, self.seg_out, seg_features)
+            dec_depth = 0  # (no decoder: decoder_blocks stays an empty list, for the code that walks the stacks)
+        else:
+            self.decoder_embed = nn.Linear(dim, dec_dim)
+            self.decoder_norm = nn.LayerNorm(dec_dim, eps=1e-6)
         if not seg_classes:
             self.mask_token = nn.Parameter(torch.zeros(1, 1, dec_dim))
         self.decoder_blocks = nn.ModuleList([Block(dec_dim, dec_heads, mlp_ratio) for _ in range(dec_depth)])
-        self.decoder_norm = nn.LayerNorm(dec_dim, eps=1e-6)
-        if seg_classes:
+        if self.seg_head == "linear":
             self.seg_pred = nn.Linear(dec_dim, self.P * self.seg_out)
-        else:
+        elif not seg_classes:
             self.decoder_pred = nn.Linear(dec_dim, self.P)
         self.initialize_weights()
         self.set_grad_ckpt(grad_ckpt)
@@ -326,18 +335,22 @@ class MAE(nn.Module):
             assert self.grid[0] % size == 0 and self.mask_strata % size == 0, (self.grid, self.mask_strata, size)
         self.cp = (group, impl) if size > 1 else None
 
-    def run_blocks(self, blocks, x, stack):
+    def run_blocks(self, blocks, x, stack, taps=None):
+        """x through `blocks`; taps (a list, UNETR's): it gets the output of every block, in order."""
         for i, blk in enumerate(blocks):
             # activation checkpointing: keep only the block's input, recompute the block in backward
             if (stack, i) in self.ckpt and self.training:
                 x = checkpoint(blk, x, self.cp, use_reentrant=False)
             else:
                 x = blk(x, self.cp)
+            if taps is not None:
+                taps.append(x)
         return x
 
-    def forward_encoder(self, patches, ids_keep, offset=0, has_cls=True):
+    def forward_encoder(self, patches, ids_keep, offset=0, has_cls=True, taps=None):
         """patches (B, L_loc, P) of this rank's tokens (global ids offset + 0..L_loc-1), ids_keep (B, n) local
-        -> latent (B, has_cls + n, dim): the cls token first (on the rank that holds it), then visible tokens."""
+        -> latent (B, has_cls + n, dim): the cls token first (on the rank that holds it), then visible tokens.
+        taps: a list that gets every block's output (before the final norm)."""
         B = patches.shape[0]
         vis = gather_tokens(patches, ids_keep)  # (B, n, P)
         x = self.patch_embed(vis)  # (B, n, dim)
@@ -349,7 +362,7 @@ class MAE(nn.Module):
             # keep cls_token in this rank's graph (zero gradient): ZeRO buckets gradients as they become
             # ready, and every rank must produce a gradient for the same parameters
             x = x + 0.0 * self.cls_token.to(x.dtype)
-        x = self.run_blocks(self.blocks, x, "enc")
+        x = self.run_blocks(self.blocks, x, "enc", taps)
         return self.norm(x)
 
     def forward_decoder(self, latent, ids_restore, offset=0, has_cls=True):
@@ -412,13 +425,19 @@ class MAE(nn.Module):
 
     def seg_logits(self, x):
         """x (B, 1, Z_loc, Y, X) normalised voxels -> logits (B, L_loc, P, seg_out). Every token is visible and there
-        is no cls token (under cp every rank then holds as many tokens as the others); the decoder's blocks are the
-        head, on every token."""
+        is no cls token (under cp every rank then holds as many tokens as the others). UNETR: the head draws every
+        voxel from the encoder's features at several depths and the amplitude itself; linear: the decoder's blocks on
+        every token, then each token's P voxels from it alone."""
         r = dist.get_rank(self.cp[0]) if self.cp else 0
         patches = patchify(x, self.patch)  # (B, L_loc, P)
         B, L_loc, _ = patches.shape
         ids = torch.arange(L_loc, device=x.device)
-        latent = self.forward_encoder(patches, ids[None].expand(B, -1), offset=r * L_loc, has_cls=False)
+        taps = [] if self.seg_head == "unetr" else None
+        latent = self.forward_encoder(patches, ids[None].expand(B, -1), offset=r * L_loc, has_cls=False, taps=taps)
+        if taps is not None:
+            g = (x.shape[2] // self.patch[0],) + self.grid[1:]  # this rank's token grid: a slab of gz / cp planes
+            logits = self.head(x, [taps[i - 1] for i in self.head.taps[:-1]] + [latent], g, self.cp)  # (B, C, Z_loc..)
+            return torch.stack([patchify(logits[:, c:c + 1], self.patch) for c in range(self.seg_out)], -1)
         h = self.decoder_embed(latent) + sincos_pos_embed(ids + r * L_loc, self.grid, self.dec_dim, latent.dtype)
         h = self.decoder_norm(self.run_blocks(self.decoder_blocks, h, "dec"))
         return self.seg_pred(h).view(B, L_loc, self.P, self.seg_out)
@@ -427,6 +446,9 @@ class MAE(nn.Module):
         """Training FLOPs per sample (forward + backward = 3 x forward; matmuls and attention only,
         the usual convention for MFU). A multiply-add counts 2 FLOPs.
           per block on N tokens of width C: qkv 6NC^2 + proj 2NC^2 + mlp 16NC^2 (ratio 4) + attention 4N^2C"""
+        if self.seg_head == "unetr":  # every token through the encoder, every voxel through the head
+            return 3 * (2 * self.L * self.P * self.dim + len(self.blocks) * self.block_flops("enc")
+                        + self.head.flops(self.grid))
         if self.seg_classes:  # every token through the encoder and the head
             return 3 * (2 * self.L * self.P * self.dim + len(self.blocks) * self.block_flops("enc")
                         + 2 * self.L * self.dim * self.dec_dim + len(self.decoder_blocks) * self.block_flops("dec")
@@ -490,7 +512,173 @@ def pred_to_voxels(pred, patches, norm_pix_loss=False):
 
 
 # -----------------------------------------------------------------------------
-# 6. model sizes (encoder width / depth / heads after ViT; decoder 512 wide, 8 deep, as MAE)
+# 6. the segmentation head (UNETR-style): a fault is a plane 1-3 voxels thick crossing a token of P voxels, which
+# one linear layer per token cannot draw. Features of several encoder depths are brought up to finer grids by
+# transposed convolutions and joined, level by level, down to a branch of convolutions on the amplitude itself:
+#
+#   level n (tokens)      the encoder's output                      (B, dim, gz, gy, gx)
+#   level j, n > j > 0    up(h) ++ skip_j(block depth*j/n's output)  -> ConvBlock -> c_j channels
+#   level 0 (voxels)      up(h) ++ ConvBlock(amplitude)              -> ConvBlock -> 1x1x1 conv -> logits
+#
+# Each level doubles the axes whose voxel size (patch / 2^k) is still the largest, so a 2 x 2 x 16 patch doubles time
+# three times, then all three axes once (n = 4); 16^3 doubles all three, 4 times. Under context parallelism a rank
+# holds a slab of inline planes at every level: the transposed convolutions (kernel = stride) stay inside it, and a
+# 3x3x3 convolution reads one plane of each neighbouring slab (halo), zeros at the sample's two ends, which is what
+# padding=1 does to the whole sample: so cp ranks compute exactly what one rank does. No normalisation layer: a
+# norm over voxels (batch, instance, group) would need the whole sample's statistics.
+
+
+def _swap(to_prev, to_next, group):
+    """Send to_prev to the previous rank of `group` and to_next to the next one; return (what the previous rank sent
+    its next, what the next one sent its previous), zeros at the two ends (rank 0 has no previous, the last no next)."""
+    r, W = dist.get_rank(group), dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group)
+    from_prev, from_next = torch.zeros_like(to_next), torch.zeros_like(to_prev)
+    ops = []
+    if r > 0:
+        ops += [dist.P2POp(dist.isend, to_prev, ranks[r - 1], group), dist.P2POp(dist.irecv, from_prev, ranks[r - 1],
+                                                                                  group)]
+    if r < W - 1:
+        ops += [dist.P2POp(dist.isend, to_next, ranks[r + 1], group), dist.P2POp(dist.irecv, from_next, ranks[r + 1],
+                                                                                  group)]
+    for w in dist.batch_isend_irecv(ops) if ops else []:
+        w.wait()
+    return from_prev, from_next
+
+
+class Halo(torch.autograd.Function):
+    """x (B, C, Z_loc, Y, X), this rank's slab -> (B, C, Z_loc + 2, Y, X): the previous rank's last plane before it and
+    the next rank's first plane after it. Backward: each halo's gradient goes back to the rank whose plane it was."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        top, bottom = _swap(x[:, :, :1].contiguous(), x[:, :, -1:].contiguous(), group)
+        return torch.cat([top, x, bottom], dim=2)
+
+    @staticmethod
+    def backward(ctx, g):
+        first, last = _swap(g[:, :, :1].contiguous(), g[:, :, -1:].contiguous(), ctx.group)
+        gx = g[:, :, 1:-1].clone()
+        gx[:, :, :1] += first  # the previous rank's halo was my first plane
+        gx[:, :, -1:] += last  # the next rank's, my last
+        return gx, None
+
+
+def halo(x, cp):
+    """Pad the inline axis by one plane each side: the neighbouring slabs' under cp, zeros at the sample's ends."""
+    return F.pad(x, (0, 0, 0, 0, 1, 1)) if cp is None else Halo.apply(x, cp[0])
+
+
+class ConvBlock(nn.Module):
+    """Two 3x3x3 convolutions, each followed by ReLU (U-Net's unit); the inline axis padded by halo()."""
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv1 = nn.Conv3d(cin, cout, 3, padding=(0, 1, 1))
+        self.conv2 = nn.Conv3d(cout, cout, 3, padding=(0, 1, 1))
+
+    def forward(self, x, cp=None):
+        return F.relu(self.conv2(halo(F.relu(self.conv1(halo(x, cp))), cp)))
+
+
+def up_scales(patch):
+    """The per-axis factors of each level, from the token grid down to voxels: [(2, 2, 2), ...], n of them."""
+    size, scales = list(patch), []
+    while max(size) > 1:
+        top = max(size)
+        assert all(s == top or top % s == 0 for s in size), patch
+        scales.append(tuple(2 if s == top else 1 for s in size))
+        size = [s // f for s, f in zip(size, scales[-1])]
+    return scales
+
+
+class UNETRHead(nn.Module):
+    def __init__(self, dim, depth, patch, out, features=16):
+        super().__init__()
+        self.scales = up_scales(patch)  # scales[k]: from level n - k to level n - k - 1
+        n = len(self.scales)
+        self.n = n
+        # channels at levels 0 .. n - 1: x 2 for every 8x fewer voxels (UNETR's doubling per level at 16^3 patches;
+        # a level that doubles time alone keeps the channels, and its convolutions cost half the finer level's)
+        vox, c = 1, []
+        for j in range(n):
+            c.append(features * 2 ** int(math.log2(vox) // 3))
+            vox *= math.prod(self.scales[n - 1 - j])
+        # the encoder blocks tapped for levels 1 .. n - 1 (1-based counts), then the final output for level n
+        self.taps = [max(1, depth * j // n) for j in range(1, n)] + [depth]
+        self.ups = nn.ModuleList()  # ups[j]: level j + 1 -> level j, on the path
+        self.blocks = nn.ModuleList()  # blocks[j]: the join at level j
+        self.skips = nn.ModuleList()  # skips[j - 1]: tap j brought from the token grid to level j
+        for j in range(n):
+            self.ups.append(nn.ConvTranspose3d(dim if j == n - 1 else c[j + 1], c[j], self.scale(j + 1),
+                                               self.scale(j + 1)))
+            self.blocks.append(ConvBlock(2 * c[j], c[j]))
+        for j in range(1, n):
+            chain = []
+            for k in range(n, j, -1):  # level k -> k - 1
+                chain.append(nn.ConvTranspose3d(dim if k == n else c[k], c[k - 1], self.scale(k), self.scale(k)))
+            self.skips.append(nn.ModuleList(chain))
+        self.stem = ConvBlock(1, c[0])  # the full-resolution branch, on the amplitude
+        self.out = nn.Conv3d(c[0], out, 1)
+
+    def scale(self, level):
+        """The factors from level `level` to level - 1."""
+        return self.scales[self.n - level]
+
+    def forward(self, x, feats, g, cp=None):
+        """x (B, 1, Z_loc, Y, X) this rank's amplitude, feats: n token features (B, L_loc, dim) (the taps, shallow
+        first, then the encoder's output), g: this rank's token grid -> logits (B, out, Z_loc, Y, X)."""
+        grid = [f.transpose(1, 2).reshape(f.shape[0], f.shape[2], *g) for f in feats]  # (B, dim, gz_loc, gy, gx)
+        h = grid[-1]
+        for j in range(self.n - 1, -1, -1):
+            h = self.ups[j](h)
+            if j:
+                s = grid[j - 1]
+                for t in self.skips[j - 1]:
+                    s = F.relu(t(s))
+            else:
+                s = self.stem(x, cp)
+            h = self.blocks[j](torch.cat([h, s.to(h.dtype)], 1), cp)
+        return self.out(h)
+
+    def voxels(self, grid):
+        """Voxels per sample at each level 0 .. n (level n: the token grid)."""
+        size, out = list(grid), [math.prod(grid)]
+        for sc in self.scales:
+            size = [a * f for a, f in zip(size, sc)]
+            out.append(math.prod(size))
+        return out[::-1]
+
+    def saved_elems(self, grid):
+        """About what autograd keeps per sample for backward (the planner's): at each level the join's input
+        (2 c), its halo-padded copy, the two convolutions' outputs (c each, ReLU saves them); at full resolution
+        the stem's the same on c, and the logits."""
+        v, total = self.voxels(grid), 0
+        for j in range(self.n):
+            c = self.blocks[j].conv2.out_channels
+            total += v[j] * 8 * c
+        return total + v[0] * (4 * self.stem.conv2.out_channels + self.out.out_channels)
+
+    def flops(self, grid):
+        """Forward FLOPs per sample (a multiply-add is 2): every convolution at the size of its output."""
+        total, vox = 0, self.voxels(grid)
+        at = lambda level: vox[level]  # noqa: E731  voxels at a level
+        for j in range(self.n):
+            total += 2 * at(j) * self.ups[j].in_channels * self.ups[j].out_channels  # each output voxel: one tap
+            b = self.blocks[j]
+            total += 2 * 27 * at(j) * (b.conv1.in_channels * b.conv1.out_channels + b.conv2.in_channels *
+                                       b.conv2.out_channels)
+        for j, chain in enumerate(self.skips, start=1):
+            for t, k in zip(chain, range(self.n, j, -1)):
+                total += 2 * at(k - 1) * t.in_channels * t.out_channels
+        total += 2 * 27 * at(0) * (self.stem.conv1.out_channels + self.stem.conv2.in_channels *
+                                   self.stem.conv2.out_channels)
+        return total + 2 * at(0) * self.out.in_channels * self.out.out_channels
+
+
+# -----------------------------------------------------------------------------
+# 7. model sizes (encoder width / depth / heads after ViT; decoder 512 wide, 8 deep, as MAE)
 
 
 def mae_tiny(**kw):  return MAE(dim=96, depth=4, heads=4, dec_dim=64, dec_depth=2, dec_heads=4, **kw)
@@ -529,4 +717,6 @@ def build_model(cfg, device=None, train=False):
                                          mask_ratio=cfg["mask_ratio"], norm_pix_loss=cfg.get("norm_pix_loss", False),
                                          mask_strata=cfg.get("mask_strata") or cfg.get("cp", 1), grad_ckpt=ckpt,
                                          seg_classes=cfg["classes"] if seg else 0,
-                                         seg_pos_weight=cfg.get("pos_weight", 1.0))
+                                         seg_pos_weight=cfg.get("pos_weight", 1.0),
+                                         seg_head=cfg.get("seg_head", "linear"),  # (files older than the key: linear)
+                                         seg_features=cfg.get("seg_features", 16))

@@ -56,7 +56,7 @@ from model import MODELS, build_model, token_grid
 # key is here or checked below with a message of its own (tests/test_errors.py holds every key to a bad value).
 BOUNDS = {k: (1, None, True) for k in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval",
                                        "keep_ckpts", "in_flight", "prefetch", "zero_bucket", "zero3_max_live",
-                                       "max_open_stores", "eval_interval", "nodes")}
+                                       "max_open_stores", "eval_interval", "nodes", "seg_features")}
 BOUNDS.update({k: (0, None, True) for k in ("read_retries", "warmup_steps", "min_lr", "weight_decay", "grad_clip",
                                             "stop_step", "seed", "gpus_per_node", "stop_lead_s", "lease_min_s")})
 BOUNDS.update({k: (0, None, False) for k in ("blr", "read_timeout_s", "ckpt_write_gbps", "lease_stale",
@@ -96,7 +96,7 @@ def check_config(cfg):
          f"mask_strata {strata} must be a multiple of cp={cp} and divide the {L} tokens")
     m = build_model({**cfg, "mask_strata": 0, "cp": 1}, device="meta")  # (shapes only: head dims, block count)
     if cp > 1:  # the ring runs on the fused attention kernels: check their head dims now
-        for blk in (m.blocks[0], m.decoder_blocks[0]):
+        for blk in (*m.blocks[:1], *m.decoder_blocks[:1]):  # (a segmenter with the UNETR head has no decoder)
             d = blk.qkv.in_features // blk.heads
             try:
                 ring_attention.check_head_dim(d)
@@ -137,6 +137,10 @@ def check_config(cfg):
                                             f"{cfg['task']!r}")
     need(cfg["classes"] >= 2, f"classes must be >= 2 (2: binary, e.g. fault / no fault), got {cfg['classes']}")
     need(cfg["pos_weight"] > 0, f"pos_weight must be > 0 (1: unweighted), got {cfg['pos_weight']}")
+    need(cfg["seg_head"] in ("unetr", "linear"), f"seg_head must be 'unetr' or 'linear', got {cfg['seg_head']!r}")
+    need(cfg["task"] != "segment" or cfg["seg_head"] != "unetr" or all(p & (p - 1) == 0 for p in cfg["patch"]),
+         f"seg_head='unetr' upsamples tokens to voxels by factors of 2: every patch side must be a power of two, got "
+         f"patch {tuple(cfg['patch'])} (or seg_head='linear')")
     need(0 < cfg["layer_decay"] <= 1, f"layer_decay must be in (0, 1] (1: off; MAE fine-tunes with 0.75), got "
                                       f"{cfg['layer_decay']}")
     need(cfg["task"] != "segment" or bool(cfg["label_var"]),
@@ -249,7 +253,7 @@ def build_job(job):
     job.grid = model.grid
     model.set_context_parallel(job.cp_group, cfg["cp_impl"])
     if job.cp > 1 and cfg["cp_impl"] == "torch":  # PyTorch's ring against ours on this machine, before any work
-        for blk in (model.blocks[0], model.decoder_blocks[0]):  # the encoder's head dim and the decoder's
+        for blk in (*model.blocks[:1], *model.decoder_blocks[:1]):  # the encoder's head dim and the decoder's
             ring_attention.verify_torch_cp(job.cp_group, device, dtype, blk.qkv.in_features // blk.heads)
     job.n_params = sum(p.numel() for p in model.parameters())  # before any sharding hides them
     if cfg["init_from"]:  # trained weights, before a strategy shards the model or copies them into its masters

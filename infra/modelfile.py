@@ -45,7 +45,7 @@ FORMAT, VERSION = "seismic-mae", 1
 # the MAE's top-level parts (model.MAE.__init__). Every weight belongs to exactly one of them: a part added to
 # the model later must be added here, or export fails loudly instead of silently dropping it or keeping it.
 ENCODER = ("patch_embed", "cls_token", "blocks", "norm")
-DECODER = ("decoder_embed", "mask_token", "decoder_blocks", "decoder_norm", "decoder_pred", "seg_pred")
+DECODER = ("decoder_embed", "mask_token", "decoder_blocks", "decoder_norm", "decoder_pred", "seg_pred", "head")
 PRETRAINING_ONLY = ("mask_token", "decoder_pred")  # what fine-tuning (task="segment") does not use
 
 
@@ -424,8 +424,10 @@ def warm_start(model, path, cfg, name=None):
     want = [k for k in own if meta.get("encoder_only") is not True or part(k) == "encoder"]
     have = list(sd)
     if model.seg_classes and meta["config"].get("task", "mae") == "mae":  # fine-tuning a pretrained MAE: its encoder
-        want = [k for k in want if not k.startswith("seg_pred")]  # and decoder blocks; the head's output is new
-        have = [k for k in have if not k.startswith(PRETRAINING_ONLY)]
+        want = [k for k in want if not k.startswith(("seg_pred", "head."))]  # (and with the linear head its decoder
+        have = [k for k in have if not k.startswith(PRETRAINING_ONLY)]  # blocks); the head, or its output, is new
+        if model.seg_head == "unetr":  # the UNETR head has no use for the MAE's decoder
+            have = [k for k in have if part(k) == "encoder"]
     _check_names(have, want, path)
     with torch.no_grad():
         for k in want:
@@ -435,7 +437,8 @@ def warm_start(model, path, cfg, name=None):
             own[k].copy_(sd[k])  # (state_dict's tensors share the parameters' storage)
     fresh = {k.split(".")[0] for k in own if k not in want}
     src = meta["config"]
-    took, note = (("the encoder", " (the decoder starts fresh)") if "decoder_blocks" in fresh else
+    took, note = (("the encoder", " (the UNETR head starts fresh)") if "head" in fresh else
+                  ("the encoder", " (the decoder starts fresh)") if "decoder_blocks" in fresh else
                   ("every weight but the head's output layer", " (seg_pred starts fresh)") if fresh else
                   ("every weight", ""))
     kind = "MAE" if src.get("task", "mae") == "mae" else "segmenter"

@@ -70,6 +70,8 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt=None):
     # and head inputs, and the int64 gather indices
     persistent += (ne * (m.P + 2 * m.dim) + nd * 2 * m.dec_dim) * elem + (ne + nd + nm) * 8
     transient = recompute + nd * m.P * elem + nm * m.P * (2 * elem + 3 * 4) + nd * m.P * 2 * elem
+    if m.seg_head == "unetr":  # the head's convolutions keep their inputs at every level, down to every voxel
+        persistent += m.head.saved_elems(m.grid) / cp * elem
     return micro_batch * persistent, micro_batch * transient
 
 
@@ -337,7 +339,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     # ring traffic per step per rank (all layers, fwd + bwd) and whether compute hides one hop
     ring_traffic, hidden = 0.0, True
     for blocks, N, C in ((m.blocks, (m.n_keep() + 1) / cp, m.dim), (m.decoder_blocks, m.L / cp, m.dec_dim)):
-        if cp > 1:
+        if cp > 1 and len(blocks):
             per_layer = (cp - 1) * (2 * N * C * elem) * 2 + (cp - 1) * (2 * N * C * 4)  # K/V fwd + bwd, dK/dV fp32
             ring_traffic += len(blocks) * per_layer * cfg["micro_batch"]
             hop_comm = 2 * N * C * elem / g["nvlink"]
@@ -373,7 +375,8 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             "ckpt_blocks": k_cfg, "blocks": n_blocks, "ckpt_order": list(dict.fromkeys(st for st, _ in m.ckpt_order())),
             "ckpt_blocks_fit": k_fit, "samples_per_s_ckpt_fit": sps_fit, "samples_per_s_full_ckpt": sps_full,
             "recompute_flops_per_sample": m.recompute_flops(),
-            "head_dims": {"enc": m.dim // m.blocks[0].heads, "dec": m.dec_dim // m.decoder_blocks[0].heads},
+            "head_dims": {"enc": m.dim // m.blocks[0].heads,
+                          "dec": m.dec_dim // m.decoder_blocks[0].heads if len(m.decoder_blocks) else None},
             "shape_flags": shape_flags, "shapes": shape_rows,
             "attention_gpu_s_per_sample": t_attn, "attention_gpu_s_per_sample_at_128": t_attn128,
             "ring_gb_per_step_per_rank": round(ring_traffic / 1e9, 2), "ring_hidden_by_compute": hidden,
