@@ -2,15 +2,19 @@
 Does pretraining pay? Fault segmentation with few labelled volumes, from a pretrained encoder against the same ViT
 from scratch and against a small 3D U-Net from scratch (the field's standard since FaultSeg3D), side by side.
 
-    python -m scripts.label_efficiency [--labels=1,4] [--seeds=3] [--seed=0] [--out=DIR]     the table, JSON last
+    python -m scripts.label_efficiency [--labels=1,2,4] [--seeds=3] [--seed=0] [--out=DIR]   the table, JSON last
     python -m scripts.label_efficiency --quick                                               a small table, for the tests
+    python -m scripts.label_efficiency --gpu                                                 GPU-scale budget (8 min, H200)
 
-Every volume is FaultSeg3D's recipe (infra/synthetic.faultseg_volume), written as an MDIO store with its `fault`
-labels. Once: train.py pretrains a ViT-MAE (task="mae") on `unlabelled` volumes, their labels unused. Then for each
-label count n and each seed s (the seed draws the n labelled volumes, the crops and the inits), three fine-tunings
-on the same n volumes with the same steps, batch, loss (voxel BCE, pos_weight) and lr schedule (train.get_lr):
-  pretrained   train.py task="segment", init_from = the pretrained run (its encoder and decoder blocks)
-  scratch      the same, from a fresh init
+Every volume is FaultSeg3D's recipe (infra/synthetic.faultseg_volume: cut from the recipe's 128^3, so its faults are
+as dense), written as an MDIO store with its `fault` labels. Once: train.py pretrains a ViT-MAE (task="mae") on
+`unlabelled` volumes, their labels unused, with the configs' loss (norm_pix_loss) and its own batch, lr and steps;
+its validation reports the masked loss beside the floor a predictor that learns nothing scores on the same patches
+(infra/floor.py: kriging), and the table flags a pretraining that did not get below it. Then for each label count n
+and each seed s (the seed draws the n labelled volumes, the crops and the inits), three fine-tunings on the same n
+volumes with the same steps, batch, loss (voxel BCE, pos_weight) and lr schedule (train.get_lr):
+  pretrained   train.py task="segment", init_from = the pretrained run (its encoder; the head, --seg_head, is new)
+  scratch      the same ViT and head, from a fresh init
   unet         a 3D U-Net (two poolings) on the same crops (data.Sampler with label_var: the same stream)
 Each is scored on `test` held-out volumes, whole: fault IoU and Dice at probability 0.5 and average precision over
 every voxel. Differences are paired (the three met the same volumes, crops and test set within a seed): diff =
@@ -52,9 +56,15 @@ def stores(root, name, n, shape, seed):
     return out
 
 
+DEVICE = "cpu"  # main() sets it: "cuda" when a GPU is there and --device allows
+
+
 def train_py(args, log):
-    """One train.py run in a process of its own (a world of 1, every core); its stdout's last lines on failure."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count()), PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    """One train.py run in a process of its own (a world of 1, every core; the GPU when DEVICE is cuda); its stdout's
+    last lines on failure."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count()), PYTHONPATH=ROOT)
+    if DEVICE == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     if r.returncode != 0:
@@ -90,19 +100,20 @@ def train_unet(paths, a, seed):
     schedule as the ViT runs (train.get_lr), AdamW with the same weight decay on its kernels."""
     import train
     torch.manual_seed(seed)
-    net = UNet3D()
+    net = UNet3D().to(DEVICE)
     decay = [p for p in net.parameters() if p.ndim >= 2]
     rest = [p for p in net.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
                             betas=(0.9, 0.95))
     cfg = {"warmup_steps": a.warmup, "max_steps": a.finetune_steps, "min_lr": 0.0}
-    sampler = data.Sampler(paths, (a.crop,) * 3, seed=seed, micro_batch=a.batch, label_var="fault",
+    sampler = data.Sampler(paths, a.crop, seed=seed, micro_batch=a.batch, label_var="fault",
                            weighting="volume")  # (train.py's default sample_weighting: the same draws)
     try:
         for step in range(a.finetune_steps):
             for g in opt.param_groups:
                 g["lr"] = train.get_lr(step, a.lr, cfg)
-            x, _ = sampler.batch(step)  # (B, 2, c, c, c): amplitude, labels
+            x, _ = sampler.batch(step)  # (B, 2, *crop): amplitude, labels
+            x = x.to(DEVICE)
             logits = net(x[:, :1])
             loss = seg_loss(logits.reshape(len(x), -1, 1, 1), x[:, 1].reshape(len(x), -1, 1), a.pos_weight)
             opt.zero_grad(set_to_none=True)
@@ -117,19 +128,22 @@ def train_unet(paths, a, seed):
 @torch.no_grad()
 def predict(kind, model, vol, crop):
     """Fault probability of every voxel of a whole normalised volume (numpy (I, X, T), each a multiple of crop):
-    the ViT window by window (its crop), the U-Net in one pass."""
-    x = torch.from_numpy(vol)[None, None]
+    the ViT on the volume's tiles of its crop, a batch of them at a time; the U-Net in one pass."""
+    x = torch.from_numpy(vol)[None, None].to(DEVICE)
     if kind == "unet":
-        return torch.sigmoid(model(x))[0, 0].numpy()
-    out = np.zeros(vol.shape, dtype=np.float32)
+        return torch.sigmoid(model(x))[0, 0].cpu().numpy()
     from model import unpatchify
-    for i in range(0, vol.shape[0], crop):
-        for j in range(0, vol.shape[1], crop):
-            for k in range(0, vol.shape[2], crop):
-                w = x[..., i:i + crop, j:j + crop, k:k + crop]
-                logits = model.seg_logits(w)  # (1, L, P, 1)
-                p = unpatchify(torch.sigmoid(logits[..., 0]), model.patch, model.grid)  # (1, 1, c, c, c)
-                out[i:i + crop, j:j + crop, k:k + crop] = p[0, 0].numpy()
+    model = model.to(DEVICE)
+    out = np.zeros(vol.shape, dtype=np.float32)
+    corners = [(i, j, k) for i in range(0, vol.shape[0], crop[0]) for j in range(0, vol.shape[1], crop[1])
+               for k in range(0, vol.shape[2], crop[2])]
+    for n in range(0, len(corners), 16):
+        tiles = corners[n:n + 16]
+        w = torch.cat([x[..., i:i + crop[0], j:j + crop[1], k:k + crop[2]] for i, j, k in tiles])  # (b, 1, *crop)
+        logits = model.seg_logits(w)  # (b, L, P, 1)
+        p = unpatchify(torch.sigmoid(logits[..., 0]), model.patch, model.grid).cpu().numpy()  # (b, 1, *crop)
+        for (i, j, k), q in zip(tiles, p):
+            out[i:i + crop[0], j:j + crop[1], k:k + crop[2]] = q[0]
     return out
 
 
@@ -154,21 +168,40 @@ def check_options(a):
         counts = []
     cli.need(counts and min(counts) >= 1, f"--labels={a.labels!r}: labelled volumes per fine-tuning, positive "
                                           f"integers separated by commas, e.g. --labels=1,4")
-    for name, least in (("seeds", 1), ("seed", 0), ("patch", 1), ("crop", 1), ("shape", 1), ("unlabelled", 1),
-                        ("test", 1), ("pretrain_steps", 1), ("finetune_steps", 1), ("batch", 1), ("warmup", 0)):
+    for name, least in (("seeds", 1), ("seed", 0), ("shape", 1), ("unlabelled", 1), ("test", 1),
+                        ("pretrain_steps", 1), ("pretrain_batch", 1), ("finetune_steps", 1), ("batch", 1),
+                        ("warmup", 0), ("seg_features", 1)):
         cli.need(getattr(a, name) >= least, f"--{name}={getattr(a, name)} must be >= {least}")
-    for name in ("lr", "pos_weight"):
+    for name in ("lr", "pretrain_blr", "pos_weight"):
         cli.need(math.isfinite(getattr(a, name)) and getattr(a, name) > 0, f"--{name}={getattr(a, name)} must be > 0")
+    cli.need(0 < a.mask_ratio < 1, f"--mask_ratio={a.mask_ratio} must be in (0, 1)")
     cli.need(a.model_size in MODELS, f"--model_size={a.model_size!r}: one of {list(MODELS)}")
-    cli.need(not (a.shape % a.crop or a.crop % a.patch or a.crop % 4),
-             f"--shape={a.shape} must be a multiple of --crop={a.crop}, itself a multiple of --patch={a.patch} and of "
-             f"4 (the U-Net's two poolings)")
+    cli.need(a.seg_head in ("unetr", "linear"), f"--seg_head={a.seg_head!r}: unetr or linear")
+    cli.need(a.device in ("auto", "cpu", "cuda"), f"--device={a.device!r}: auto, cpu or cuda")
+    a.crop, a.patch = (axes(a, name) for name in ("crop", "patch"))
+    cli.need(not any(a.shape % c or c % p or c % 4 for c, p in zip(a.crop, a.patch)),
+             f"--shape={a.shape} must be a multiple of --crop={a.crop} along every axis, itself a multiple of "
+             f"--patch={a.patch} and of 4 (the U-Net's two poolings)")
+    cli.need(a.seg_head != "unetr" or all(p & (p - 1) == 0 for p in a.patch),
+             f"--seg_head=unetr needs every side of --patch={a.patch} a power of two")
     return counts
 
 
-SETTINGS = ("shape", "crop", "patch", "model_size", "unlabelled", "test", "pretrain_steps", "finetune_steps", "batch",
-            "lr", "warmup", "pos_weight", "seed")  # what the stores and runs in --out depend on (--labels and --seeds
-#                                                   only add runs: a folder with more or fewer is gone on from)
+def axes(a, name):
+    """--crop / --patch: one int (a cube) or three, inline,crossline,time -> a tuple of 3 positive ints."""
+    v = getattr(a, name)
+    try:
+        t = tuple(int(x) for x in str(v).strip("()").split(","))
+    except ValueError:
+        t = ()
+    cli.need(len(t) in (1, 3) and min(t) >= 1, f"--{name}={v!r}: one positive int or three, e.g. 16,16,64")
+    return t * 3 if len(t) == 1 else t
+
+
+SETTINGS = ("shape", "crop", "patch", "model_size", "unlabelled", "test", "pretrain_steps", "pretrain_batch",
+            "pretrain_blr", "mask_ratio", "finetune_steps", "batch", "lr", "warmup", "pos_weight", "seg_head",
+            "seg_features", "seed")  # what the stores and runs in --out depend on (--labels and --seeds only add
+#                                      runs: a folder with more or fewer is gone on from)
 
 
 def claim_folder(a):
@@ -178,7 +211,7 @@ def claim_folder(a):
     import shutil
     outputs.check_dir(a.out, "--out")
     record = os.path.join(a.out, "label_efficiency.json")
-    settings = {k: getattr(a, k) for k in SETTINGS}
+    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(a, k)) for k in SETTINGS)}
     found = None
     if os.path.isdir(a.out) and os.listdir(a.out):
         found = outputs.inspect_file(record, lambda p: json.load(open(p)), "a record of label_efficiency")
@@ -191,47 +224,85 @@ def claim_folder(a):
     return a.out
 
 
+# The recipe that learns on this machine (docs/after_training.md, one knob at a time): patches thin in space and long
+# in time, as traces are (2 x 2 x 16 in crops of 16 x 16 x 64: 256 tokens), the configs' norm_pix_loss, a batch of
+# 16 at blr 4.8e-2 (lr 3e-3), 3,000 steps: about 8 minutes of the 2-core CPU's time.
+QUICK = dict(labels="1", seeds=2, shape=32, crop="16,16,32", patch="2,2,16", unlabelled=2, test=1, pretrain_steps=20,
+             pretrain_batch=4, finetune_steps=10, warmup=2, seg_features=4)
+# GPU scale, for one H200 in about 8 minutes (not yet measured there: docs/after_training.md): a small ViT, 4x the
+# crop (2,048 tokens), 20,000 pretraining steps of 64 on 64 volumes, and 4x the fine-tuning steps
+GPU = dict(model_size="small", shape=64, crop="32,32,64", unlabelled=64, test=8, pretrain_steps=20000,
+           pretrain_batch=64, finetune_steps=800, warmup=80, batch=8, seg_features=16)
+
+
+def pretraining_record(out):
+    """The pretraining run's validation, from its log.jsonl: {step: val_loss}, and the floor (or None)."""
+    from infra.evaluate import read_floor, read_losses
+    log = os.path.join(out, "log.jsonl")
+    return read_losses(log)[1], read_floor(log)
+
+
 def main(argv):
+    global DEVICE
     ap = argparse.ArgumentParser(prog="python -m scripts.label_efficiency", description=__doc__.split("\n")[1])
-    # 1 and 4 by default: the table in ~20 min on 2 CPU cores (docs/after_training.md); --labels=1,2,4,8 doubles it
-    ap.add_argument("--labels", default="1,4", help="labelled volumes per fine-tuning, e.g. 1,2,4,8")
+    ap.add_argument("--labels", default="1,2,4", help="labelled volumes per fine-tuning, e.g. 1,2,4,8")
     ap.add_argument("--seeds", type=int, default=3, help="draws per label count (paired across the three)")
     ap.add_argument("--seed", type=int, default=0, help="shifts every seed: a fresh draw of the whole table")
     ap.add_argument("--shape", type=int, default=64, help="voxels per volume along each axis")
-    ap.add_argument("--crop", type=int, default=32, help="crop (and ViT window) along each axis")
-    ap.add_argument("--patch", type=int, default=8)
+    ap.add_argument("--crop", default="16,16,64", help="crop (and ViT window): one int or inline,crossline,time")
+    ap.add_argument("--patch", default="2,2,16", help="one int or three")
     ap.add_argument("--model_size", default="tiny")
     ap.add_argument("--unlabelled", type=int, default=16, help="volumes pretraining sees (labels unused)")
     ap.add_argument("--test", type=int, default=4, help="held-out volumes every model is scored on")
-    ap.add_argument("--pretrain_steps", type=int, default=600)
+    ap.add_argument("--pretrain_steps", type=int, default=3000)
+    ap.add_argument("--pretrain_batch", type=int, default=16)
+    ap.add_argument("--pretrain_blr", type=float, default=4.8e-2, help="pretraining lr = blr x batch / 256")
+    ap.add_argument("--mask_ratio", type=float, default=0.75)
     ap.add_argument("--finetune_steps", type=int, default=200)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=1e-3, help="peak lr of every fine-tuning (pretraining: 1.5e-3)")
-    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=4, help="fine-tuning batch")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak lr of every fine-tuning")
+    ap.add_argument("--warmup", type=int, default=20, help="fine-tuning warmup steps")
     ap.add_argument("--pos_weight", type=float, default=3.0)
+    ap.add_argument("--seg_head", default="unetr", help="the ViTs' head: unetr (train.py's default) or linear")
+    ap.add_argument("--seg_features", type=int, default=12, help="the UNETR head's channels at full resolution "
+                    "(12: the U-Net's)")
+    ap.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu or cuda")
     ap.add_argument("--out", default="", help="keep the stores and runs here (default: a temporary folder); a folder "
                     "of an earlier table with the same settings is gone on from")
     ap.add_argument("--overwrite", action="store_true", help="--out holds a table of other settings: make it anew")
     ap.add_argument("--quick", action="store_true", help="a small table in a minute or two (the tests)")
+    ap.add_argument("--gpu", action="store_true", help="the GPU-scale budget (model small, 20,000 pretraining steps)")
     a = ap.parse_args(argv)
-    if a.quick:
-        a.labels, a.seeds, a.shape, a.crop, a.unlabelled, a.test = "1", 2, 32, 16, 2, 1
-        a.pretrain_steps, a.finetune_steps, a.warmup = 20, 10, 2
+    for preset, on in ((QUICK, a.quick), (GPU, a.gpu)):
+        if on:
+            for k, v in preset.items():
+                setattr(a, k, v)
     counts = check_options(a)
+    DEVICE = "cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu"
+    cli.need(DEVICE == "cpu" or torch.cuda.is_available(), "--device=cuda but torch sees no GPU")
     root = claim_folder(a) if a.out else tempfile.mkdtemp(prefix="label_efficiency_")
     shape, t0 = (a.shape,) * 3, time.time()
     base = 100_000 + 1000 * a.seed  # volume seeds: unlabelled, test and each draw's labelled ones never overlap
     unlabelled = stores(root, "unlabelled", a.unlabelled, shape, base)
     test_vols = [synthetic.faultseg_volume(shape, seed=base + 500 + i) for i in range(a.test)]
-    common = [f"--crop=({a.crop},{a.crop},{a.crop})", f"--patch=({a.patch},{a.patch},{a.patch})",
-              f"--model_size={a.model_size}", f"--micro_batch={a.batch}", "--val_frac=0.0", "--figures=False",
-              f"--log_interval={10 ** 6}", f"--ckpt_interval={10 ** 6}", "--keep_ckpts=1"]
+    crop, patch = ",".join(map(str, a.crop)), ",".join(map(str, a.patch))
+    common = [f"--crop=({crop})", f"--patch=({patch})", f"--model_size={a.model_size}", "--figures=False",
+              f"--log_interval={10 ** 6}", f"--ckpt_interval={10 ** 6}", "--keep_ckpts=1", "--norm_pix_loss=True"]
     pre = os.path.join(root, "pretrained")
+    # validation on the last quarter of the unlabelled volumes' inlines: the MAE's masked loss and its floor
+    val_frac = max(0.25, a.crop[0] / a.shape)
     print(f"pretraining a {a.model_size} MAE on {a.unlabelled} unlabelled volumes of {shape} ({a.pretrain_steps} "
-          f"steps of {a.batch})", flush=True)
+          f"steps of {a.pretrain_batch} crops of {a.crop} in patches of {a.patch}, mask {a.mask_ratio}) on {DEVICE}",
+          flush=True)
     train_py([*common, f"--data_paths={unlabelled}", f"--out_dir={pre}", f"--max_steps={a.pretrain_steps}",
-              f"--blr={1.5e-3 * 256 / a.batch}", f"--warmup_steps={max(1, a.pretrain_steps // 20)}",
-              f"--seed={a.seed}"], print)
+              f"--micro_batch={a.pretrain_batch}", f"--blr={a.pretrain_blr}", f"--mask_ratio={a.mask_ratio}",
+              f"--warmup_steps={max(1, a.pretrain_steps // 30)}", f"--val_frac={val_frac}", "--eval_samples=32",
+              f"--eval_interval={max(1, a.pretrain_steps // 6)}", f"--seed={a.seed}"], print)
+    curve, floor = pretraining_record(pre)
+    mae_val = curve[max(curve)]
+    print(f"pretraining: validation masked loss {mae_val:.4f}, floor {floor:.4f} (kriging on the same patches): "
+          + ("below it by %.4f" % (floor - mae_val) if mae_val < floor else "ABOVE IT: the MAE learnt less than "
+             "linear interpolation; its encoder is not worth fine-tuning"), flush=True)
     pre_file = modelfile.export(pre)  # once: every pretrained fine-tuning starts from this file
     peak = a.lr * 256 / a.batch  # blr of train.py's rule lr = blr x batch / 256
     results = {n: {k: [] for k in ("pretrained", "scratch", "unet")} for n in counts}
@@ -245,9 +316,10 @@ def main(argv):
                 for kind, init in (("pretrained", pre_file), ("scratch", "")):
                     out = os.path.join(root, f"{kind}_n{n}_s{s}")
                     train_py([*common, "--task=segment", f"--data_paths={labelled}", f"--out_dir={out}",
-                              f"--max_steps={a.finetune_steps}", f"--blr={peak}", f"--warmup_steps={a.warmup}",
-                              f"--pos_weight={a.pos_weight}", f"--seed={seed}", f"--init_from={init}",
-                              "--weight_decay=0.05"], lambda line: None)
+                              f"--micro_batch={a.batch}", "--val_frac=0.0", f"--max_steps={a.finetune_steps}",
+                              f"--blr={peak}", f"--warmup_steps={a.warmup}", f"--pos_weight={a.pos_weight}",
+                              f"--seed={seed}", f"--init_from={init}", "--weight_decay=0.05",
+                              f"--seg_head={a.seg_head}", f"--seg_features={a.seg_features}"], lambda line: None)
                     model, _ = modelfile.load(modelfile.export(out))
                     prob = np.stack([predict("vit", model, v, a.crop) for v, _, _ in test_vols])
                     results[n][kind].append(scores(prob, np.stack([f for _, f, _ in test_vols])))
@@ -262,25 +334,38 @@ def main(argv):
     for n in counts:
         r = results[n]
         mean = {k: {m: float(np.mean([x[m] for x in v])) for m in ("iou", "dice", "ap")} for k, v in r.items()}
+        row = {"pretrained": round(mean["pretrained"]["iou"], 4), "scratch": round(mean["scratch"]["iou"], 4),
+               "unet": round(mean["unet"]["iou"], 4)}
+        for other in ("scratch", "unet"):  # paired by seed: the same volumes, crops and test set
+            d = np.array([p["iou"] - b["iou"] for p, b in zip(r["pretrained"], r[other])])
+            row[f"diff_{other}"] = round(float(d.mean()), 4)
+            row[f"se_{other}"] = round(float(d.std(ddof=1) / math.sqrt(len(d))), 4) if len(d) > 1 else None
         better = max(("scratch", "unet"), key=lambda k: mean[k]["iou"])
-        d = np.array([p["iou"] - b["iou"] for p, b in zip(r["pretrained"], r[better])])
-        se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None
-        by_labels[n] = {"pretrained": round(mean["pretrained"]["iou"], 4), "scratch": round(mean["scratch"]["iou"], 4),
-                        "unet": round(mean["unet"]["iou"], 4), "diff": round(float(d.mean()), 4),
-                        "se": None if se is None else round(se, 4), "better_scratch": better,
-                        "dice": {k: round(v["dice"], 4) for k, v in mean.items()},
-                        "ap": {k: round(v["ap"], 4) for k, v in mean.items()}}
+        row.update(diff=row[f"diff_{better}"], se=row[f"se_{better}"], better_scratch=better,
+                   dice={k: round(v["dice"], 4) for k, v in mean.items()},
+                   ap={k: round(v["ap"], 4) for k, v in mean.items()},
+                   won=all(row[f"se_{o}"] is not None and row[f"diff_{o}"] > 2 * row[f"se_{o}"]
+                           for o in ("scratch", "unet")))
+        by_labels[n] = row
+        pm = lambda o: f"{row[f'diff_{o}']:+.3f}" + ("" if row[f"se_{o}"] is None else f" ± {row[f'se_{o}']:.3f}")  # noqa
         rows.append([n, *(f"{mean[k]['iou']:.3f} / {mean[k]['dice']:.3f} / {mean[k]['ap']:.3f}"
-                          for k in ("pretrained", "scratch", "unet")),
-                     f"{d.mean():+.3f}" + ("" if se is None else f" ± {se:.3f}") + f" (vs {better})"])
+                          for k in ("pretrained", "scratch", "unet")), pm("scratch"), pm("unet")])
     print(f"\nfault segmentation on {a.test} held-out volumes of {shape}; IoU / Dice / AP, means over {a.seeds} "
-          f"seed(s); {a.finetune_steps} fine-tuning steps of {a.batch} crops of {a.crop}^3")
+          f"seed(s); {a.finetune_steps} fine-tuning steps of {a.batch} crops of {a.crop}, ViT head {a.seg_head}")
+    print(f"pretraining: {a.pretrain_steps} steps, validation masked loss {mae_val:.4f} against the floor {floor:.4f}"
+          + ("" if mae_val < floor else "  ** ABOVE THE FLOOR: the pretrained encoder has learnt less than linear "
+                                        "interpolation **"))
     table(rows, ["labelled volumes", "pretrained ViT", "ViT from scratch", "3D U-Net from scratch",
-                 "IoU diff (pretrained - better scratch)"])
+                 "IoU pretrained - ViT scratch", "IoU pretrained - U-Net"])
     print(json.dumps({"bench": "label_efficiency", "by_labels": by_labels, "seeds": a.seeds, "seed": a.seed,
-                      "shape": list(shape), "crop": a.crop, "patch": a.patch, "model_size": a.model_size,
+                      "pretraining": {"val_loss": round(mae_val, 4), "val_floor": round(floor, 4),
+                                      "below_floor": mae_val < floor,
+                                      "curve": {int(k): round(v, 4) for k, v in sorted(curve.items())}},
+                      "shape": list(shape), "crop": list(a.crop), "patch": list(a.patch), "model_size": a.model_size,
                       "unlabelled": a.unlabelled, "test": a.test, "pretrain_steps": a.pretrain_steps,
+                      "pretrain_batch": a.pretrain_batch, "pretrain_blr": a.pretrain_blr, "mask_ratio": a.mask_ratio,
                       "finetune_steps": a.finetune_steps, "batch": a.batch, "lr": a.lr, "pos_weight": a.pos_weight,
+                      "seg_head": a.seg_head, "seg_features": a.seg_features, "device": DEVICE,
                       "seconds": round(time.time() - t0, 1), "out": root}))
     return 0
 

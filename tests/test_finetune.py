@@ -96,6 +96,18 @@ def test_the_unetr_head_learns_and_every_weight_of_it_gets_a_gradient():
 
 
 @pytest.mark.slow
+def test_bf16_fine_tuning_stays_with_fp32(labelled, one_rank, tmp_path):
+    """The UNETR segmenter in bf16 (its convolutions, transposed convolutions and halos in the compute dtype): the
+    same run's losses within 2 % of fp32's, step by step."""
+    out1, _ = one_rank
+    out = tmp_path / "bf16"
+    r = run_train(seg_args(labelled, out, dtype="bfloat16"))
+    assert r.returncode == 0 and "torch.bfloat16" in r.stdout, r.stderr[-3000:]
+    a, b = train_losses(out1), train_losses(out)
+    assert sorted(a) == sorted(b) and all(close(b[s], a[s], 2e-2) for s in a), (a, b)
+
+
+@pytest.mark.slow
 def test_stopped_and_resumed_fine_tuning_follows_the_uninterrupted_run(labelled, one_rank, tmp_path):
     out1, _ = one_rank
     out = tmp_path / "resumed"
@@ -227,7 +239,12 @@ def test_the_label_efficiency_table_runs_small():
     assert all(0.0 <= row[k] <= 1.0 for k in ("pretrained", "scratch", "unet")) and row["se"] is not None
     assert abs(row["diff"] - (row["pretrained"] - row[row["better_scratch"]])) < 2e-4  # paired means: linear
     assert row[row["better_scratch"]] == max(row["scratch"], row["unet"])
+    assert abs(row["diff_unet"] - (row["pretrained"] - row["unet"])) < 2e-4 and row["se_scratch"] is not None
     assert "3D U-Net from scratch" in r.stdout
+    pre = out["pretraining"]  # the MAE's validation loss beside its floor, and the flag when it is not below it
+    assert 0 < pre["val_floor"] < 1.5 and pre["below_floor"] == (pre["val_loss"] < pre["val_floor"])
+    assert ("ABOVE THE FLOOR" in r.stdout) == (not pre["below_floor"])
+    assert out["crop"] == [16, 16, 32] and out["patch"] == [2, 2, 16] and out["seg_head"] == "unetr"
 
 
 def test_the_quickstart_store_keeps_its_amplitude_and_carries_its_fault_labels(tmp_path):

@@ -77,9 +77,9 @@ def test_the_floor_is_scored_on_the_validation_masked_patches(tmp_path):
     """Through evaluate.run (the validation's own path): the normalised targets planted as the prediction score 0,
     and the floor's own prediction planted as the model's scores exactly floor_of's val_floor, so the two number
     the same patches of the same samples. The floor is below 1 (it predicts something) on a seismic-like volume."""
-    crop, patch = (16, 16, 64), (2, 2, 16)
+    crop, patch = (16, 16, 32), (2, 2, 8)
     vol, fault, _ = synthetic.faultseg_volume((48, 32, 64), seed=3)
-    store = synthetic.write_mdio(str(tmp_path / "v.mdio"), vol, chunks=(16, 16, 64))
+    store = synthetic.write_mdio(str(tmp_path / "v.mdio"), vol, chunks=(16, 16, 32))
     m = M.mae_tiny(grid=M.token_grid(crop, patch), patch=patch, norm_pix_loss=True, mask_strata=2)
     sampler = data.Sampler([store], crop, part=("train", 1 / 3), weighting="volume", micro_batch=3)
     val = data.Sampler([store], crop, part=("val", 1 / 3), stream="val", weighting="volume", micro_batch=3)

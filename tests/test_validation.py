@@ -117,6 +117,11 @@ def test_run_logs_val_loss_and_draws_figures(run):
             assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
     train_losses, val_losses = evaluate.read_losses(d / "log.jsonl")
     assert sorted(train_losses) == list(range(6)) and sorted(val_losses) == [0, 3, 6]
+    # the floor (infra/floor.py): computed once, in every validation record, said on the log line and drawn
+    floors = [r["val_floor"] for r in map(json.loads, open(d / "log.jsonl")) if "val_loss" in r]
+    assert len(floors) == 3 and len(set(floors)) == 1 and 0 < floors[0] < 1.5
+    assert r.stdout.count("floor: kriging on the same masked patches") == 1 and "(kriging): " in r.stdout
+    assert evaluate.read_floor(d / "log.jsonl") == floors[0]
     # tensorboard: the event file holds the train and val scalars and the figure
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     acc = EventAccumulator(str(d / "tb"))
