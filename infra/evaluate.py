@@ -140,6 +140,10 @@ def floor_of(job):
     if job.rank != 0 or cfg["task"] != "mae" or job.val_sampler is None:
         return None
     t0, patch, dev = time.time(), model.patch, job.device
+    if math.prod(cfg["crop"]) > floor.WHOLE_MAX:
+        job.log(f"floor: not computed: a whole sample of crop {tuple(cfg['crop'])} is more than rank 0 reads for it "
+                f"({floor.WHOLE_MAX:,} voxels); a run of the same data and patch at a smaller crop shows it")
+        return None
 
     def masks(ids, stream):  # the whole samples' masks: the strata decide them, not the ranks
         return model.keep_ids(data.mask_noise(cfg["seed"], ids, model.L, 0, 1, stream=stream), 0, 1).to(dev)

@@ -38,6 +38,7 @@ K_MAX = 256  # visible voxels per masked patch at most (the solve is K^3 / 3; 51
 FIT_CROPS = 32  # training crops the covariance table is fitted on (fewer when crops are large: FIT_VOXELS) ...
 FIT_ALPHA = 8  # ... and the first of them, alpha (one number)
 FIT_VOXELS = 2 ** 24  # at most this many voxels of them (a 640 x 640 x 1024 crop alone is 25 times more: 1 crop)
+WHOLE_MAX = 2 ** 29  # voxels of one whole sample rank 0 reads for it (2 GB in fp32): above, the floor is skipped
 NUGGET = 1e-3  # times C(0), added to C_vv's diagonal: an estimated table is only nearly positive definite
 
 
@@ -87,10 +88,12 @@ def flat(coords, strides):
 
 
 @torch.no_grad()
-def predict(x, ids_keep, patch, table, K=None, budget=2 ** 24):
+def predict(x, ids_keep, patch, table, K=None, budget=None):
     """x (B, 1, Z, Y, X) whole samples, ids_keep (B, n) their visible tokens -> (B, L, P) float32: every masked
-    patch's y_hat (raw voxels; the visible ones' rows are 0). budget: table entries looked up per chunk of patches."""
+    patch's y_hat (raw voxels; the visible ones' rows are 0). budget: table entries looked up per chunk of patches
+    (default 2^24 on a CPU, 2^27 on a GPU)."""
     dev = x.device
+    budget = budget or (2 ** 27 if dev.type == "cuda" else 2 ** 24)
     B, _, Z, Y, X = x.shape
     grid = M.token_grid((Z, Y, X), patch)
     L, P = math.prod(grid), math.prod(patch)

@@ -300,7 +300,8 @@ BAD = {"out_dir": "", "data_paths": [], "sample_weighting": "often", "max_open_s
        "synthetic_chunks": (1, 1), "in_flight": 0, "read_threads": -1, "prefetch": 0, "min_live": 1.5,
        "read_retries": -1, "read_timeout_s": 0.0, "s3_endpoint": "localhost:9000", "crop": (16, 16), "patch": (0, 8, 8),
        "model_size": "enormous", "mask_ratio": 1.0, "ckpt_blocks": -2, "task": "classify", "label_var": "",
-       "classes": 1, "pos_weight": 0.0, "layer_decay": 1.5, "cp": 0, "cp_impl": "nccl", "mask_strata": -1,
+       "classes": 1, "pos_weight": 0.0, "layer_decay": 1.5, "seg_head": "mlp", "seg_features": 0, "cp": 0,
+       "cp_impl": "nccl", "mask_strata": -1,
        "max_steps": 0, "micro_batch": 0, "grad_accum": 0, "blr": 0.0, "min_lr": -1.0, "warmup_steps": -1,
        "weight_decay": -0.1, "beta1": 1.0, "beta2": -0.5, "grad_clip": -1.0, "dtype": "float8", "strategy": "zero4",
        "zero_bucket": 0, "zero3_max_live": 0, "val_paths": [""], "val_frac": 1.0, "eval_interval": 0,
@@ -349,8 +350,12 @@ OPTIONS = {
                           ("--seed=-1", "--seed"), ("--lr=0", "--lr"), ("--pos_weight=0", "--pos_weight"),
                           ("--model_size=enormous", "--model_size"), ("--warmup=-1", "--warmup"),
                           ("--shape=30", "--shape"), ("--crop=0", "--crop"), ("--unlabelled=0", "--unlabelled"),
-                          ("--pretrain_steps=0", "--pretrain_steps"), ("--finetune_steps=0", "--finetune_steps")],
-                         {"out", "overwrite", "quick"}),
+                          ("--pretrain_steps=0", "--pretrain_steps"), ("--finetune_steps=0", "--finetune_steps"),
+                          ("--pretrain_batch=0", "--pretrain_batch"), ("--pretrain_blr=0", "--pretrain_blr"),
+                          ("--mask_ratio=1", "--mask_ratio"), ("--seg_head=mlp", "--seg_head"),
+                          ("--seg_features=0", "--seg_features"), ("--device=tpu", "--device"),
+                          ("--crop=16,16", "--crop")],
+                         {"out", "overwrite", "quick", "gpu"}),
     "plan": ([("--gpu=TPU", "--gpu"), ("--mfu=0", "--mfu"), ("--max_steps=0", "max_steps")], {"key"}),  # (--key=value:
     #        the config keys, each checked: test_every_config_key_is_checked_before_any_work)
 }
