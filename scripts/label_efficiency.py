@@ -229,10 +229,12 @@ def claim_folder(a):
 # 16 at blr 4.8e-2 (lr 3e-3), 3,000 steps: about 8 minutes of the 2-core CPU's time.
 QUICK = dict(labels="1", seeds=2, shape=32, crop="16,16,32", patch="2,2,16", unlabelled=2, test=1, pretrain_steps=20,
              pretrain_batch=4, finetune_steps=10, warmup=2, seg_features=4)
-# GPU scale, for one H200 in about 8 minutes (not yet measured there: docs/after_training.md): a small ViT, 4x the
-# crop (2,048 tokens), 20,000 pretraining steps of 64 on 64 volumes, and 4x the fine-tuning steps
-GPU = dict(model_size="small", shape=64, crop="32,32,64", unlabelled=64, test=8, pretrain_steps=20000,
-           pretrain_batch=64, finetune_steps=800, warmup=80, batch=8, seg_features=16)
+# GPU scale, planned for about 8 minutes of one H200 and not yet measured there (docs/after_training.md): a small ViT
+# (24.9 M parameters) on 4x the crop (16 x 16 x 4 = 1,024 tokens), 6,000 pretraining steps of 64 crops on 64 volumes
+# (~69 GFLOP per sample: ~2.6e16 FLOP, ~4 min at 100 TFLOP/s), then 27 fine-tunings of 400 steps of 8 crops (each
+# process's start, ~15 s, is most of their time)
+GPU = dict(model_size="small", shape=64, crop="32,32,64", unlabelled=64, test=8, pretrain_steps=6000,
+           pretrain_batch=64, finetune_steps=400, warmup=40, batch=8, seg_features=16)
 
 
 def pretraining_record(out):
@@ -262,7 +264,8 @@ def main(argv):
     ap.add_argument("--batch", type=int, default=4, help="fine-tuning batch")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak lr of every fine-tuning")
     ap.add_argument("--warmup", type=int, default=20, help="fine-tuning warmup steps")
-    ap.add_argument("--pos_weight", type=float, default=3.0)
+    ap.add_argument("--pos_weight", type=float, default=10.0, help="class-1 voxels' loss weight (train.py's default: "
+                    "about the ratio of non-fault to fault voxels, ~9 at FaultSeg3D's density)")
     ap.add_argument("--seg_head", default="unetr", help="the ViTs' head: unetr (train.py's default) or linear")
     ap.add_argument("--seg_features", type=int, default=12, help="the UNETR head's channels at full resolution "
                     "(12: the U-Net's)")
@@ -271,7 +274,7 @@ def main(argv):
                     "of an earlier table with the same settings is gone on from")
     ap.add_argument("--overwrite", action="store_true", help="--out holds a table of other settings: make it anew")
     ap.add_argument("--quick", action="store_true", help="a small table in a minute or two (the tests)")
-    ap.add_argument("--gpu", action="store_true", help="the GPU-scale budget (model small, 20,000 pretraining steps)")
+    ap.add_argument("--gpu", action="store_true", help="the GPU-scale budget (model small, 6,000 pretraining steps)")
     a = ap.parse_args(argv)
     for preset, on in ((QUICK, a.quick), (GPU, a.gpu)):
         if on:
