@@ -336,21 +336,21 @@ class MAE(nn.Module):
         self.cp = (group, impl) if size > 1 else None
 
     def run_blocks(self, blocks, x, stack, taps=None):
-        """x through `blocks`; taps (a list, UNETR's): it gets the output of every block, in order."""
+        """x through `blocks`; taps (UNETR's): {block count k: None}, each set to the output after k blocks."""
         for i, blk in enumerate(blocks):
             # activation checkpointing: keep only the block's input, recompute the block in backward
             if (stack, i) in self.ckpt and self.training:
                 x = checkpoint(blk, x, self.cp, use_reentrant=False)
             else:
                 x = blk(x, self.cp)
-            if taps is not None:
-                taps.append(x)
+            if taps is not None and i + 1 in taps:
+                taps[i + 1] = x
         return x
 
     def forward_encoder(self, patches, ids_keep, offset=0, has_cls=True, taps=None):
         """patches (B, L_loc, P) of this rank's tokens (global ids offset + 0..L_loc-1), ids_keep (B, n) local
         -> latent (B, has_cls + n, dim): the cls token first (on the rank that holds it), then visible tokens.
-        taps: a list that gets every block's output (before the final norm)."""
+        taps: {block count k: None}, each set to the output after k blocks (before the final norm)."""
         B = patches.shape[0]
         vis = gather_tokens(patches, ids_keep)  # (B, n, P)
         x = self.patch_embed(vis)  # (B, n, dim)
@@ -432,11 +432,11 @@ class MAE(nn.Module):
         patches = patchify(x, self.patch)  # (B, L_loc, P)
         B, L_loc, _ = patches.shape
         ids = torch.arange(L_loc, device=x.device)
-        taps = [] if self.seg_head == "unetr" else None
+        taps = {k: None for k in self.head.taps[:-1]} if self.seg_head == "unetr" else None
         latent = self.forward_encoder(patches, ids[None].expand(B, -1), offset=r * L_loc, has_cls=False, taps=taps)
         if taps is not None:
             g = (x.shape[2] // self.patch[0],) + self.grid[1:]  # this rank's token grid: a slab of gz / cp planes
-            logits = self.head(x, [taps[i - 1] for i in self.head.taps[:-1]] + [latent], g, self.cp)  # (B, C, Z_loc..)
+            logits = self.head(x, [taps[k] for k in self.head.taps[:-1]] + [latent], g, self.cp)  # (B, C, Z_loc..)
             return torch.stack([patchify(logits[:, c:c + 1], self.patch) for c in range(self.seg_out)], -1)
         h = self.decoder_embed(latent) + sincos_pos_embed(ids + r * L_loc, self.grid, self.dec_dim, latent.dtype)
         h = self.decoder_norm(self.run_blocks(self.decoder_blocks, h, "dec"))

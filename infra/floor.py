@@ -59,12 +59,12 @@ def covariance(crops, patch):
     size = [s + min(r, s - 1) for s, r in zip(shape, R)]
     f = torch.fft.rfftn(x, s=size, dim=(1, 2, 3))
     acf = torch.fft.irfftn(f * f.conj(), s=size, dim=(1, 2, 3)).sum(0)  # acf[d] = sum_p x[p] x[p + d], d mod size
-    table = torch.zeros([2 * r + 1 for r in R], dtype=torch.float64)
-    lags = [torch.arange(-min(r, s - 1), min(r, s - 1) + 1) for r, s in zip(R, shape)]
+    table = torch.zeros([2 * r + 1 for r in R], dtype=torch.float64)  # (on the host: small)
+    lags = [torch.arange(-min(r, s - 1), min(r, s - 1) + 1, device=x.device) for r, s in zip(R, shape)]
     pairs = [(s - lag.abs()).double() for lag, s in zip(lags, shape)]  # pairs per lag along each axis, per crop
     sub = acf[torch.meshgrid(*[lag % n for lag, n in zip(lags, size)], indexing="ij")]
     count = N * pairs[0][:, None, None] * pairs[1][None, :, None] * pairs[2][None, None, :]
-    table[tuple(slice(r - (len(lag) // 2), r + len(lag) // 2 + 1) for r, lag in zip(R, lags))] = sub / count
+    table[tuple(slice(r - (len(lag) // 2), r + len(lag) // 2 + 1) for r, lag in zip(R, lags))] = (sub / count).cpu()
     return table
 
 
