@@ -175,6 +175,7 @@ def check_options(a):
     for name in ("lr", "pretrain_blr", "pos_weight"):
         cli.need(math.isfinite(getattr(a, name)) and getattr(a, name) > 0, f"--{name}={getattr(a, name)} must be > 0")
     cli.need(0 < a.mask_ratio < 1, f"--mask_ratio={a.mask_ratio} must be in (0, 1)")
+    cli.need(0 < a.layer_decay <= 1, f"--layer_decay={a.layer_decay} must be in (0, 1] (1: off)")
     cli.need(a.model_size in MODELS, f"--model_size={a.model_size!r}: one of {list(MODELS)}")
     cli.need(a.seg_head in ("unetr", "linear"), f"--seg_head={a.seg_head!r}: unetr or linear")
     cli.need(a.device in ("auto", "cpu", "cuda"), f"--device={a.device!r}: auto, cpu or cuda")
@@ -200,7 +201,7 @@ def axes(a, name):
 
 SETTINGS = ("shape", "crop", "patch", "model_size", "unlabelled", "test", "pretrain_steps", "pretrain_batch",
             "pretrain_blr", "mask_ratio", "finetune_steps", "batch", "lr", "warmup", "pos_weight", "seg_head",
-            "seg_features", "seed")  # what the stores and runs in --out depend on (--labels and --seeds only add
+            "seg_features", "layer_decay", "seed")  # what the stores and runs in --out depend on (--labels and --seeds only add
 #                                      runs: a folder with more or fewer is gone on from)
 
 
@@ -269,6 +270,8 @@ def main(argv):
     ap.add_argument("--seg_head", default="unetr", help="the ViTs' head: unetr (train.py's default) or linear")
     ap.add_argument("--seg_features", type=int, default=12, help="the UNETR head's channels at full resolution "
                     "(12: the U-Net's)")
+    ap.add_argument("--layer_decay", type=float, default=1.0, help="the ViTs' fine-tuning layer decay (train.py's "
+                    "layer_decay; MAE fine-tunes with 0.75)")
     ap.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu or cuda")
     ap.add_argument("--out", default="", help="keep the stores and runs here (default: a temporary folder); a folder "
                     "of an earlier table with the same settings is gone on from")
@@ -322,7 +325,8 @@ def main(argv):
                               f"--micro_batch={a.batch}", "--val_frac=0.0", f"--max_steps={a.finetune_steps}",
                               f"--blr={peak}", f"--warmup_steps={a.warmup}", f"--pos_weight={a.pos_weight}",
                               f"--seed={seed}", f"--init_from={init}", "--weight_decay=0.05",
-                              f"--seg_head={a.seg_head}", f"--seg_features={a.seg_features}"], lambda line: None)
+                              f"--seg_head={a.seg_head}", f"--seg_features={a.seg_features}",
+                              f"--layer_decay={a.layer_decay}"], lambda line: None)
                     model, _ = modelfile.load(modelfile.export(out))
                     prob = np.stack([predict("vit", model, v, a.crop) for v, _, _ in test_vols])
                     results[n][kind].append(scores(prob, np.stack([f for _, f, _ in test_vols])))
@@ -368,7 +372,8 @@ def main(argv):
                       "unlabelled": a.unlabelled, "test": a.test, "pretrain_steps": a.pretrain_steps,
                       "pretrain_batch": a.pretrain_batch, "pretrain_blr": a.pretrain_blr, "mask_ratio": a.mask_ratio,
                       "finetune_steps": a.finetune_steps, "batch": a.batch, "lr": a.lr, "pos_weight": a.pos_weight,
-                      "seg_head": a.seg_head, "seg_features": a.seg_features, "device": DEVICE,
+                      "seg_head": a.seg_head, "seg_features": a.seg_features, "layer_decay": a.layer_decay,
+                      "device": DEVICE,
                       "seconds": round(time.time() - t0, 1), "out": root}))
     return 0
 
