@@ -55,7 +55,7 @@ task = "mae"  # mae (pretraining) | segment (fine-tuning on label_var; start fro
 label_var = "fault"  # segment: the stores' integer class variable beside the amplitude (MDIO v1), on its grid
 classes = 2  # segment: label values 0 .. classes - 1; 2 is binary (one logit per voxel, weighted BCE)
 pos_weight = 10.0  # segment, binary: the loss weight of class-1 voxels (faults are a few % of the voxels)
-seg_head = "unetr"  # segment: unetr (features of several encoder depths up to every voxel, model.py section 6) |
+seg_head = "unetr"  # segment: unetr (features of several encoder depths up to every voxel, unetr.py) |
 #                     linear (the decoder's blocks, then each token's voxels from it alone: a probe's head)
 seg_features = 16  # segment, unetr: channels at full resolution (x 2 at each coarser level), UNETR's feature size
 layer_decay = 1.0  # segment: encoder block k's lr x layer_decay^(depth - k), the embedding's ^(depth + 1) (MAE: 0.75)
