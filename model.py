@@ -491,11 +491,14 @@ def mae_loss(pred, patches, ids_masked, norm_pix_loss=False):
     rows = (ids_masked + L * torch.arange(B, device=pred.device)[:, None]).reshape(-1)  # (B*m,)
     target = patches.reshape(B * L, P).index_select(0, rows).float()  # (B*m, P)
     if norm_pix_loss:
-        mean = target.mean(dim=-1, keepdim=True)
-        var = target.var(dim=-1, keepdim=True)
-        target = (target - mean) / (var + 1e-6) ** 0.5
+        target = norm_patches(target)
     err = (pred.reshape(B * L, P).index_select(0, rows).float() - target).pow(2).mean(dim=-1)  # (B*m,)
     return err.sum(), torch.full((), float(rows.numel()), device=pred.device)  # a fill, not a host copy
+
+
+def norm_patches(t):
+    """(..., P) -> each patch by its own mean and (unbiased) std, + 1e-6 under the root: norm_pix_loss's target."""
+    return (t - t.mean(dim=-1, keepdim=True)) / (t.var(dim=-1, keepdim=True) + 1e-6) ** 0.5
 
 
 def pred_to_voxels(pred, patches, norm_pix_loss=False):
