@@ -195,7 +195,7 @@ def axes(a, name):
         t = tuple(int(x) for x in str(v).strip("()").split(","))
     except ValueError:
         t = ()
-    cli.need(len(t) in (1, 3) and min(t) >= 1, f"--{name}={v!r}: one positive int or three, e.g. 16,16,64")
+    cli.need(len(t) in (1, 3) and min(t) >= 1, f"--{name}={v}: one positive int or three, e.g. 16,16,64")
     return t * 3 if len(t) == 1 else t
 
 
