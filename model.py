@@ -514,24 +514,44 @@ def pred_to_voxels(pred, patches, norm_pix_loss=False):
 
 
 # -----------------------------------------------------------------------------
-# 6. model sizes (encoder width / depth / heads after ViT; decoder 512 wide, 8 deep, as MAE)
+# 6. model sizes (encoder width / depth / heads after ViT; the decoder narrower and shallower, after MAE)
+#
+# One line per size. `heads` and `dec_heads` are the published ViTs' head counts; a config may override them
+# (config keys heads / dec_heads, 0 = these): the widths fix every parameter (qkv is C x 3C whatever the split), the
+# heads fix the function and the attention kernel's shape. Head dims that are multiples of 64, best 128, run the
+# fused kernels fastest (infra/plan.py's ATTN_TFLOPS and its shape flags): ViT-G's 1664 / 16 = 104 and the
+# decoders' 512 / 16 = 32 do not, 1664 / 13 = 128 and 512 / 4 = 128 do; the production configs set those.
+
+SIZES = {  # name: (dim, depth, heads, dec_dim, dec_depth, dec_heads)
+    "tiny":  (96, 4, 4, 64, 2, 4),
+    "small": (384, 12, 6, 256, 4, 8),
+    "base":  (768, 12, 12, 512, 8, 16),
+    "large": (1024, 24, 16, 512, 8, 16),
+    "huge":  (1280, 32, 16, 512, 8, 16),
+    "giant": (1408, 40, 16, 512, 8, 16),  # ViT-g
+    "G":     (1664, 48, 16, 512, 8, 16),  # ViT-G
+}
 
 
-def mae_tiny(**kw):  return MAE(dim=96, depth=4, heads=4, dec_dim=64, dec_depth=2, dec_heads=4, **kw)
-def mae_small(**kw): return MAE(dim=384, depth=12, heads=6, dec_dim=256, dec_depth=4, dec_heads=8, **kw)
-def mae_base(**kw):  return MAE(dim=768, depth=12, heads=12, dec_dim=512, dec_depth=8, dec_heads=16, **kw)
-def mae_large(**kw): return MAE(dim=1024, depth=24, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)
-def mae_huge(**kw):  return MAE(dim=1280, depth=32, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)
-def mae_giant(**kw): return MAE(dim=1408, depth=40, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)  # ViT-g
-def mae_G(**kw):     return MAE(dim=1664, depth=48, heads=16, dec_dim=512, dec_depth=8, dec_heads=16, **kw)  # ViT-G
-# The same widths and parameters with head dims the fused attention kernels run best (64, 128; infra/plan.py's shape
-# flags): ViT-G's heads of 104 and the decoders' heads of 32 run on padded or slower kernels. Heads change no
-# parameter count (qkv is C x 3C whatever the split); they change the function, so a run cannot switch mid-way.
-def mae_large_h64(**kw): return MAE(dim=1024, depth=24, heads=16, dec_dim=512, dec_depth=8, dec_heads=8, **kw)
-def mae_G_h128(**kw):    return MAE(dim=1664, depth=48, heads=13, dec_dim=512, dec_depth=8, dec_heads=4, **kw)
+def mae(size, heads=0, dec_heads=0, **kw):
+    """The MAE of a named size (SIZES), with its head counts unless heads / dec_heads (> 0) say otherwise."""
+    dim, depth, h, dec_dim, dec_depth, dh = SIZES[size]
+    return MAE(dim=dim, depth=depth, heads=heads or h, dec_dim=dec_dim, dec_depth=dec_depth,
+               dec_heads=dec_heads or dh, **kw)
 
-MODELS = {"tiny": mae_tiny, "small": mae_small, "base": mae_base, "large": mae_large, "huge": mae_huge,
-          "giant": mae_giant, "G": mae_G, "large_h64": mae_large_h64, "G_h128": mae_G_h128}
+
+def aligned_heads(width):
+    """The head count that gives heads of 128 (else 64) for a stack `width` wide; None where neither divides it."""
+    return next((width // d for d in (128, 64) if width % d == 0), None)
+
+
+def head_counts(cfg):
+    """(encoder heads, decoder heads) a config's MAE has: its heads / dec_heads, or its size's own where 0 or absent
+    (configs and checkpoints older than the keys); None for a size this file does not know."""
+    if cfg.get("model_size") not in SIZES:
+        return None
+    _, _, h, _, _, dh = SIZES[cfg["model_size"]]
+    return cfg.get("heads") or h, cfg.get("dec_heads") or dh
 
 
 def token_grid(shape, patch):
@@ -549,10 +569,10 @@ def build_model(cfg, device=None, train=False):
     ckpt = train and cfg["grad_ckpt"] and (True if cfg["ckpt_blocks"] < 0 else cfg["ckpt_blocks"])
     seg = cfg.get("task", "mae") == "segment"  # (a model file of a run older than fine-tuning has no task: "mae")
     with torch.device(device if device is not None else torch.get_default_device()):
-        return MODELS[cfg["model_size"]](grid=token_grid(cfg["crop"], cfg["patch"]), patch=tuple(cfg["patch"]),
-                                         mask_ratio=cfg["mask_ratio"], norm_pix_loss=cfg.get("norm_pix_loss", False),
-                                         mask_strata=cfg.get("mask_strata") or cfg.get("cp", 1), grad_ckpt=ckpt,
-                                         seg_classes=cfg["classes"] if seg else 0,
-                                         seg_pos_weight=cfg.get("pos_weight", 1.0),
-                                         seg_head=cfg.get("seg_head", "linear"),  # (files older than the key: linear)
-                                         seg_features=cfg.get("seg_features", 16))
+        return mae(cfg["model_size"], cfg.get("heads", 0), cfg.get("dec_heads", 0),  # (older files: the size's own)
+                   grid=token_grid(cfg["crop"], cfg["patch"]), patch=tuple(cfg["patch"]), mask_ratio=cfg["mask_ratio"],
+                   norm_pix_loss=cfg.get("norm_pix_loss", False),
+                   mask_strata=cfg.get("mask_strata") or cfg.get("cp", 1), grad_ckpt=ckpt,
+                   seg_classes=cfg["classes"] if seg else 0, seg_pos_weight=cfg.get("pos_weight", 1.0),
+                   seg_head=cfg.get("seg_head", "linear"),  # (files older than the key: linear)
+                   seg_features=cfg.get("seg_features", 16))

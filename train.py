@@ -46,7 +46,7 @@ from infra import checkpoint, distributed, dryrun, evaluate, lease, modelfile, o
 from infra import stop as stop_signals
 from infra.cli import need, run as run_cli
 from infra.stop import INTERRUPTED, RESUMABLE, Interrupted, StopRequest, write_stopped
-from model import MODELS, build_model, token_grid
+from model import SIZES, aligned_heads, build_model, token_grid
 
 # -----------------------------------------------------------------------------
 # the config check: everything that can be checked before any work is done
@@ -64,9 +64,21 @@ BOUNDS.update({k: (0, None, False) for k in ("blr", "read_timeout_s", "ckpt_writ
 BOUNDS["min_live"] = (0, 1, True)
 
 
+def check_heads(cfg):
+    """heads / dec_heads: 0 (the size's own) or a count that divides the stack's width (model.SIZES)."""
+    dim, _, own, dec_dim, _, dec_own = SIZES[cfg["model_size"]]
+    for key, width, h0 in (("heads", dim, own), ("dec_heads", dec_dim, dec_own)):
+        h = cfg[key]
+        good = aligned_heads(width)
+        need(isinstance(h, int) and not isinstance(h, bool) and h >= 0 and (h == 0 or width % h == 0),
+             f"{key}={h!r}: 0 (model_size {cfg['model_size']!r}'s own {h0}) or a count that divides its width "
+             f"{width}" + (f", e.g. {good} (heads of {width // good})" if good else ""))
+
+
 def check_config(cfg):
     """Raise ConfigError naming the problem and the fix; data-dependent checks live in data.Sampler."""
-    need(cfg["model_size"] in MODELS, f"model_size {cfg['model_size']!r} unknown; choose one of {list(MODELS)}")
+    need(cfg["model_size"] in SIZES, f"model_size {cfg['model_size']!r} unknown; choose one of {list(SIZES)}")
+    check_heads(cfg)
     for key, (lo, hi, closed) in BOUNDS.items():
         v = cfg[key]
         need(math.isfinite(v) and (v >= lo if closed else v > lo) and (hi is None or v <= hi),
@@ -101,7 +113,8 @@ def check_config(cfg):
             try:
                 ring_attention.check_head_dim(d)
             except ValueError as e:
-                raise configurator.ConfigError(f"model_size {cfg['model_size']!r} with cp={cp}: {e}") from None
+                raise configurator.ConfigError(f"model_size {cfg['model_size']!r} ({blk.heads} heads of {d}) with "
+                                               f"cp={cp}: {e}; set heads / dec_heads for head dims of 64 or 128") from None
     n_blocks = len(m.blocks) + len(m.decoder_blocks)
     need(-1 <= cfg["ckpt_blocks"] <= n_blocks, f"ckpt_blocks={cfg['ckpt_blocks']}: -1 (every block) or a number "
                                                f"of blocks up to the {n_blocks} of model_size {cfg['model_size']!r}")

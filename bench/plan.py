@@ -37,10 +37,10 @@ def calibrate():
                      ("tiny 8x8x8", dict(grid=(8, 8, 8), patch=(2, 2, 16))),
                      ("small 4x8x8", dict(grid=(4, 8, 8), patch=(4, 4, 4)))):
         size = name.split()[0]
-        n_blocks = len(M.MODELS[size](grid=kw["grid"], patch=kw["patch"]).ckpt_order())
+        n_blocks = len(M.mae(size, grid=kw["grid"], patch=kw["patch"]).ckpt_order())
         for ckpt in (False, n_blocks // 2, True):  # none, the first half of ckpt_order(), every block
             torch.manual_seed(0)
-            m = M.MODELS[size](grid=kw["grid"], patch=kw["patch"], grad_ckpt=ckpt)
+            m = M.mae(size, grid=kw["grid"], patch=kw["patch"], grad_ckpt=ckpt)
             x = torch.randn(2, 1, *(g * p for g, p in zip(kw["grid"], kw["patch"])))
             params = {p.untyped_storage().data_ptr() for p in m.parameters()}
             seen, saved = set(), [0]

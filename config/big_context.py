@@ -10,7 +10,9 @@
 # decoder:  1,179,648 / 8 = 147,456 tokens per CP rank; each rank reads only its slab of 1536/8 = 192
 #           inline planes: 192 x 1536 x 2048 x 4 B = 2.4 GB of float32 per rank (19.3 GB the whole sample)
 # cluster:  16 nodes x 8 GPUs = 128 ranks = dp 16 x cp 8 (a CP group is one node: the ring stays on NVLink)
-# model:    ViT-G encoder (1664 wide, 48 deep, 16 heads of 104) = 1.63 B params with the 512 x 8 decoder
+# model:    ViT-G encoder (1664 wide, 48 deep) = 1.63 B params with the 512 x 8 decoder; heads of 128 in both
+#           (1664 / 13, 512 / 4: ViT-G's widths and parameters; its own 16 heads of 104 and the decoder's of 32
+#           run the fused attention below 128's rate on an H200, plan.ATTN_TFLOPS)
 # memory:   per GPU, bf16: the activations without checkpointing would not fit; with every block checkpointed
 #           they shrink to each block's input, at the price of each block's forward again in backward. ckpt_blocks
 #           below is the planner's least checkpointing that fits with a 15 % margin on the activations (the
@@ -20,18 +22,19 @@
 #           copy and fp32 cast), the ring's buffers (plan.ring_bytes) and 3 GB of workspace. Not yet measured
 #           on a GPU.
 # time:     155 PFLOP per sample, ~98 % of it attention over 1.18 M tokens, which the fused kernel runs at its
-#           rates for heads of 104 and 32 (plan.ATTN_TFLOPS, measured on an H200; the decoder's heads of 32 far
-#           below 40 % of peak): attention sets the step time (the planner's step_s and attention_s_per_step).
+#           rate for heads of 128 (plan.ATTN_TFLOPS, measured on an H200): attention sets the step time (the
+#           planner's step_s and attention_s_per_step; with ViT-G's own heads, much longer: scripts.plan prints both).
 #           G is the largest of model.py's sizes; the planner says that larger ones would fit too, and be slower.
 # data:     samples/s x 19.3 GB / 16 nodes from S3 per node (float32, uncompressed; the planner prints it)
 out_dir = "out/big_context"
 data_paths = ["s3://your-bucket/survey.mdio"]  # MDIO stores, >= 1536 x 1536 x 2048 each
 crop = (1536, 1536, 2048)
 patch = (16, 16, 16)
-model_size = "G"  # heads of 104 (encoder) and 32 (decoder) run the fused attention below 128's rate on an H200
-#                   (plan.ATTN_TFLOPS; the shapes and GPU-s of attention per sample: python -m scripts.plan
-#                   config/big_context.py); "G_h128" (same widths and parameters, 13 and 4 heads of 128) runs at
-#                   128's. Kept as the published ViT-G for now: a switch is a new function (no resume across it)
+model_size = "G"
+heads = 13  # 1664 / 13 = 128 per head (ViT-G's own: 16 of 104)
+dec_heads = 4  # 512 / 4 = 128 (the decoder's own: 16 of 32). A run cannot switch heads mid-way (another function
+#                of the same weights: resume and init_from refuse it); the two layouts side by side, step time,
+#                samples/s and MFU: python -m scripts.plan config/big_context.py
 mask_ratio = 0.75
 norm_pix_loss = True
 grad_ckpt = True

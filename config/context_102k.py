@@ -4,7 +4,8 @@
 #
 # tokens:   (640/16) x (640/16) x (1024/16) = 40 x 40 x 64 = 102,400 tokens of 16^3 voxels; 25,599 visible
 #           (mask_strata 8: 8 strata x 3,200 encoder tokens, one of them the cls token)
-# model:    ViT-G encoder (1664 wide, 48 deep, 16 heads of 104) + 512 x 8 decoder = 1.63 B params, as stage 2.
+# model:    ViT-G encoder (1664 wide, 48 deep, 13 heads of 128) + 512 x 8 decoder (4 heads of 128) = 1.63 B
+#           params, as stage 2.
 #           Positions are fixed sin-cos of each token's grid coordinates: nothing learned depends on the grid, so
 #           the same weights run on stage 2's 96 x 96 x 128 grid (tokens there reach coordinates 96 and 128, which
 #           stage 1 never saw: the sin-cos of a larger coordinate is well defined, and stage 2 trains on them).
@@ -18,8 +19,9 @@ out_dir = "out/context_102k"
 data_paths = ["s3://your-bucket/survey.mdio"]  # MDIO stores, >= 640 x 640 x 1024 each
 crop = (640, 640, 1024)
 patch = (16, 16, 16)
-model_size = "G"  # as stage 2 (its shape trade-off: config/big_context.py; "G_h128" against "G" here: python -m
-#                   scripts.plan config/context_102k.py --model_size=G_h128)
+model_size = "G"  # as stage 2, with its heads (config/big_context.py): stage 2 starts from these weights, and
+heads = 13  #       init_from refuses another split of them
+dec_heads = 4
 mask_ratio = 0.75
 norm_pix_loss = True
 grad_ckpt = False  # the planner: fits without (above)

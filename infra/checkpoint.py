@@ -46,6 +46,7 @@ import torch
 import configurator
 from infra.distributed import on_rank_0
 from infra.outputs import fsync_dir, fsync_tree  # (checkpoint's own names too: tests wrap them)
+from model import head_counts
 
 
 def read_marker(folder):
@@ -484,6 +485,8 @@ def check_compatible(meta, cfg, world, dtype, where):
     # GPU). Older checkpoints lack some keys: those are not compared.
     def resolved(c, dt):
         return {**{k: c.get(k) for k in ("model_size", "patch", "seed", "strategy", "crop", "mask_ratio")},
+                # the heads split the same weights into another function (older checkpoints: the size's own)
+                "heads, dec_heads": head_counts(c),
                 # the task and what it learns (older checkpoints: pretraining)
                 "task": c.get("task", "mae"), **({k: c.get(k) for k in ("label_var", "classes")}
                                                  if c.get("task") == "segment" else {}),

@@ -39,7 +39,7 @@ import torch
 import configurator
 from infra import checkpoint, distributed, outputs
 from infra.progress import CountingWrites, Progress
-from model import build_model
+from model import build_model, head_counts
 
 FORMAT, VERSION = "seismic-mae", 1
 # the MAE's top-level parts (model.MAE.__init__). Every weight belongs to exactly one of them: a part added to
@@ -412,6 +412,16 @@ def check_init(src, cfg, where):
             f"init_from {where} is model_size {src['model_size']!r} ({a.dim} wide, {len(a.blocks)} blocks) and this "
             f"run builds {cfg['model_size']!r} ({b.dim} wide, {len(b.blocks)} blocks): the weights do not fit; set "
             f"model_size={src['model_size']!r}, or start from scratch")
+    # the heads split the same weights into another function; the decoder's count matters where its blocks are
+    # taken (pretraining, or fine-tuning with the linear head: the UNETR head takes the encoder alone)
+    (h, dh), (h2, dh2) = head_counts(src), head_counts(cfg)
+    if cfg.get("task", "mae") == "segment" and cfg.get("seg_head", "linear") == "unetr":
+        dh = dh2
+    if (h, dh) != (h2, dh2):
+        raise configurator.ConfigError(
+            f"init_from {where} was trained with {h} encoder and {dh} decoder heads and this run has {h2} and {dh2}: "
+            f"the weights fit, but the heads split them into another function; set heads={h} dec_heads={dh}, or "
+            f"start from scratch")
 
 
 def warm_start(model, path, cfg, name=None):

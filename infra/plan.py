@@ -17,7 +17,7 @@ import argparse
 import math
 
 import configurator
-from model import build_model
+from model import aligned_heads, build_model, head_counts
 
 
 def table(rows, header):
@@ -390,6 +390,33 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
 
 # -----------------------------------------------------------------------------
 # the plan of a command line, and its table (python -m scripts.plan, python -m bench plan)
+
+
+def achieved_mfu(p):
+    """The model FLOP utilisation plan p predicts: useful FLOPs (attention counted, recomputation not) per second
+    over the GPUs' peak, flops_per_sample x samples/s / (world x peak). Below plan()'s mfu, the assumption for the
+    FLOPs outside attention, wherever the fused attention kernel runs slower than that."""
+    return p["flops_per_sample"] * p["samples_per_s"] / (p["world"] * GPUS[p["gpu"]]["flops"])
+
+
+def head_layouts(cfg, p):
+    """The same plan at the config's heads and at the other layout of the same widths: the size's own heads
+    (model.SIZES) where the config sets others, else heads of 128 (or 64) where the widths allow (model.aligned_heads).
+    Returns rows of {layout, heads, dec_heads, head_dims, step_s, samples_per_s, mfu}: [] where no other layout exists."""
+    own = {"heads": 0, "dec_heads": 0}
+    m = build_model({**cfg, **own, "crop": cfg["patch"], "task": "mae"}, device="meta")
+    aligned = {"heads": aligned_heads(m.dim) or 0, "dec_heads": aligned_heads(m.dec_dim) or 0}
+    mine = dict(zip(("heads", "dec_heads"), head_counts(cfg)))
+    other = own if mine != dict(zip(("heads", "dec_heads"), head_counts({**cfg, **own}))) else aligned
+    if dict(zip(("heads", "dec_heads"), head_counts({**cfg, **other}))) == mine:
+        return []
+    rows = []
+    for layout, heads in (("config", mine), ("own" if other is own else "aligned", other)):
+        q = p if layout == "config" else plan({**cfg, **heads}, p["world"], p["gpu"], p["mfu"], p["gpus_per_node"])
+        rows.append({"layout": layout, **dict(zip(("heads", "dec_heads"), head_counts({**cfg, **heads}))),
+                     "head_dims": q["head_dims"], "step_s": q["step_s"], "samples_per_s": q["samples_per_s"],
+                     "mfu": achieved_mfu(q)})
+    return rows
 
 
 def report(p, name):

@@ -39,7 +39,7 @@ import data
 from infra import cli, modelfile, outputs, synthetic
 from infra.plan import table
 from infra.progress import Progress
-from model import MODELS, seg_loss
+from model import SIZES, seg_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -176,7 +176,7 @@ def check_options(a):
         cli.need(math.isfinite(getattr(a, name)) and getattr(a, name) > 0, f"--{name}={getattr(a, name)} must be > 0")
     cli.need(0 < a.mask_ratio < 1, f"--mask_ratio={a.mask_ratio} must be in (0, 1)")
     cli.need(0 < a.layer_decay <= 1, f"--layer_decay={a.layer_decay} must be in (0, 1] (1: off)")
-    cli.need(a.model_size in MODELS, f"--model_size={a.model_size!r}: one of {list(MODELS)}")
+    cli.need(a.model_size in SIZES, f"--model_size={a.model_size!r}: one of {list(SIZES)}")
     cli.need(a.seg_head in ("unetr", "linear"), f"--seg_head={a.seg_head!r}: unetr or linear")
     cli.need(a.device in ("auto", "cpu", "cuda"), f"--device={a.device!r}: auto, cpu or cuda")
     a.crop, a.patch = (axes(a, name) for name in ("crop", "patch"))

@@ -5,20 +5,28 @@ Will it fit, and how fast? The planner's answer for a config on a cluster, as a 
 
 Config files and --key=value overrides as train.py takes them; --gpu (a name in infra/plan.py's GPUS) and
 --mfu (the efficiency assumed outside attention) choose the hardware. The model behind the numbers, and how
-`python -m bench plan` checks it against measurement: infra/plan.py.
+`python -m bench plan` checks it against measurement: infra/plan.py. Below the plan, the same widths at the other
+head layout (the model size's own heads where the config sets heads / dec_heads, else heads of 128 or 64): step time,
+samples/s and MFU side by side, so that the choice of heads stays visible; the JSON's head_layouts holds them.
 """
 import json
 import sys
 
 import train
 from infra import cli
-from infra.plan import config_plan, report
+from infra.plan import config_plan, head_layouts, report, table
 
 
 def main(argv):
     cfg, p = config_plan(argv, train.check_config)
     report(p, " ".join(a for a in argv if not a.startswith("--")) or "defaults")
-    print(json.dumps(p))
+    rows = head_layouts(cfg, p)  # the config's heads against the other split of the same widths
+    if rows:
+        print("\nthe same widths, two head layouts (heads = width / head dim; the planner's kernel rates by head dim):")
+        table([[r["layout"], f"{r['heads']} x {r['head_dims']['enc']}", f"{r['dec_heads']} x {r['head_dims']['dec']}",
+               f"{r['step_s']:.3g} s", f"{r['samples_per_s']:.3g}", f"{100 * r['mfu']:.1f} %"] for r in rows],
+              ["layout", "encoder heads", "decoder heads", "step", "samples/s", "MFU"])
+    print(json.dumps({**p, "head_layouts": rows}))
     return 0
 
 

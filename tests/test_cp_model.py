@@ -12,7 +12,7 @@ from dist_util import run_ranks
 def _make(strata):
     torch.manual_seed(0)
     # grid 8 x 2 x 3 = 48 tokens of 4^3 voxels; head dims 24 and 16 (multiples of 8, as the fused ops need)
-    return M.mae_tiny(grid=(8, 2, 3), patch=(4, 4, 4), mask_ratio=0.7, mask_strata=strata)
+    return M.mae("tiny", grid=(8, 2, 3), patch=(4, 4, 4), mask_ratio=0.7, mask_strata=strata)
 
 
 def _check_cp_equals_single(rank, W, impl):

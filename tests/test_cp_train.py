@@ -85,8 +85,7 @@ def test_bad_input_is_rank_0s_line_even_when_rank_0_is_the_last_to_find_it(small
 
 def test_unsupported_head_dim_is_a_startup_error(monkeypatch):
     # a researcher's new size with 10-wide heads: fine for plain SDPA, not for the fused ring kernels
-    monkeypatch.setitem(M.MODELS, "odd", lambda **kw: M.MAE(dim=60, depth=1, heads=6, dec_dim=32, dec_depth=1,
-                                                          dec_heads=4, **kw))
+    monkeypatch.setitem(M.SIZES, "odd", (60, 1, 6, 32, 1, 4))  # (dim, depth, heads, dec_dim, dec_depth, dec_heads)
     cfg = configurator.defaults()
     cfg.update(model_size="odd", crop=(32, 32, 32), patch=(8, 8, 8))
     train.check_config(cfg)  # cp = 1: plain SDPA takes any head dim

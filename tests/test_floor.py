@@ -48,7 +48,7 @@ def markov_error(vis_tok, grid, patch, rho):
 
 def test_kriging_scores_what_theory_says_on_a_field_of_known_covariance():
     crop, patch, rho = (4, 4, 64), (1, 1, 4), 0.9
-    m = M.mae_tiny(grid=M.token_grid(crop, patch), patch=patch)  # raw voxels: norm_pix_loss False
+    m = M.mae("tiny", grid=M.token_grid(crop, patch), patch=patch)  # raw voxels: norm_pix_loss False
     table = floor.covariance(ar1_traces((64, *crop), rho, seed=0), patch)
     assert abs(table[tuple(floor.reach(patch))] - 1) < 0.03  # C(0): unit variance
     x = ar1_traces((512, *crop), rho, seed=1)  # (a mean over many samples: one sample's error is noisy)
@@ -63,7 +63,7 @@ def test_the_floor_cannot_see_the_masked_voxels():
     """White noise: no voxel says anything about another, so under norm_pix the floor is ~1 (predicting nothing);
     a predictor that read the masked voxels would score far below it."""
     crop, patch = (8, 8, 32), (2, 2, 8)
-    m = M.mae_tiny(grid=M.token_grid(crop, patch), patch=patch, norm_pix_loss=True)
+    m = M.mae("tiny", grid=M.token_grid(crop, patch), patch=patch, norm_pix_loss=True)
     g = torch.Generator().manual_seed(0)
     fit, x = torch.randn(32, 1, *crop, generator=g), torch.randn(16, 1, *crop, generator=g)
     table = floor.covariance(fit, patch)
@@ -80,7 +80,7 @@ def test_the_floor_is_scored_on_the_validation_masked_patches(tmp_path):
     crop, patch = (16, 16, 32), (2, 2, 8)
     vol, fault, _ = synthetic.faultseg_volume((48, 32, 64), seed=3)
     store = synthetic.write_mdio(str(tmp_path / "v.mdio"), vol, chunks=(16, 16, 32))
-    m = M.mae_tiny(grid=M.token_grid(crop, patch), patch=patch, norm_pix_loss=True, mask_strata=2)
+    m = M.mae("tiny", grid=M.token_grid(crop, patch), patch=patch, norm_pix_loss=True, mask_strata=2)
     sampler = data.Sampler([store], crop, part=("train", 1 / 3), weighting="volume", micro_batch=3)
     val = data.Sampler([store], crop, part=("val", 1 / 3), stream="val", weighting="volume", micro_batch=3)
     cfg = {"task": "mae", "seed": 0, "eval_samples": 5, "micro_batch": 3, "crop": crop}
@@ -108,7 +108,7 @@ def test_the_floor_is_scored_on_the_validation_masked_patches(tmp_path):
 
 
 def test_the_whole_sample_masks_are_the_cp_ranks_shares_joined():
-    m = M.mae_tiny(grid=(8, 4, 4), patch=(2, 2, 2), mask_strata=4)
+    m = M.mae("tiny", grid=(8, 4, 4), patch=(2, 2, 2), mask_strata=4)
     whole = m.keep_ids(data.mask_noise(5, [0, 1, 2], m.L, 0, 1, stream="val"), 0, 1)
     shares = [m.keep_ids(data.mask_noise(5, [0, 1, 2], m.L, r, 2, stream="val"), r, 2) + r * m.L // 2 for r in (0, 1)]
     assert torch.equal(torch.sort(whole, 1).values, torch.sort(torch.cat(shares, 1), 1).values)

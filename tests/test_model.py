@@ -1,4 +1,5 @@
 """model.py against its definitions: patch order, positions, masking, loss, and that it can learn."""
+import json
 import math
 
 import pytest
@@ -108,7 +109,7 @@ def test_norm_pix_loss_finite_on_constant_patches():
 
 def test_forward_shapes_and_no_visible_leak():
     torch.manual_seed(0)
-    m = M.mae_tiny(grid=(2, 3, 4), patch=(4, 4, 4))
+    m = M.mae("tiny", grid=(2, 3, 4), patch=(4, 4, 4))
     x = torch.randn(2, 1, 8, 12, 16)
     loss, pred, mask = m(x)
     assert pred.shape == (2, 24, 64) and mask.shape == (2, 24) and torch.isfinite(loss)
@@ -125,7 +126,7 @@ def test_forward_shapes_and_no_visible_leak():
 
 
 def test_flops_estimate_matches_a_count():
-    m = M.mae_tiny(grid=(2, 2, 4), patch=(4, 4, 4))
+    m = M.mae("tiny", grid=(2, 2, 4), patch=(4, 4, 4))
     n, L, D, d, P = m.n_keep(), m.L, m.dim, m.dec_dim, m.P
     fwd = 2 * n * P * D + 4 * (24 * (n + 1) * D * D + 4 * (n + 1) ** 2 * D)
     fwd += 2 * n * D * d + 2 * (24 * L * d * d + 4 * L * L * d) + 2 * L * d * P
@@ -134,7 +135,7 @@ def test_flops_estimate_matches_a_count():
 
 def test_tiny_model_overfits_one_batch():
     torch.manual_seed(0)
-    m = M.mae_tiny(grid=(2, 2, 4), patch=(8, 8, 8))
+    m = M.mae("tiny", grid=(2, 2, 4), patch=(8, 8, 8))
     x = torch.randn(2, 1, 16, 16, 32)
     noise = torch.rand(2, m.L)
     opt = torch.optim.AdamW(m.parameters(), lr=2e-3)
@@ -153,8 +154,8 @@ def test_grad_ckpt_same_gradients(ckpt):
     """Every block, or the first k of ckpt_order(): the same gradients as no checkpointing, and exactly the chosen
     blocks run their forward twice (once more in backward: that is the recompute)."""
     torch.manual_seed(0)
-    a = M.mae_tiny(grid=(2, 2, 4), patch=(4, 4, 4))
-    b = M.mae_tiny(grid=(2, 2, 4), patch=(4, 4, 4), grad_ckpt=ckpt)
+    a = M.mae("tiny", grid=(2, 2, 4), patch=(4, 4, 4))
+    b = M.mae("tiny", grid=(2, 2, 4), patch=(4, 4, 4), grad_ckpt=ckpt)
     b.load_state_dict(a.state_dict())
     calls = {}  # (forward hooks do not fire in checkpoint's recompute: each block's forward is wrapped instead)
     for stack, blocks in (("enc", b.blocks), ("dec", b.decoder_blocks)):
@@ -179,10 +180,52 @@ def test_ckpt_order_frees_the_most_bytes_per_recomputed_flop_first():
     encoder (1,664 wide, 294,912 tokens) before the decoder (512 wide, 1,179,648 tokens); in a tiny model with few
     tokens the narrower decoder first."""
     with torch.device("meta"):
-        big = M.mae_G(grid=(96, 96, 128), patch=(16, 16, 16), mask_strata=8)
-        tiny = M.mae_tiny(grid=(2, 2, 4), patch=(4, 4, 4))
+        big = M.mae("G", grid=(96, 96, 128), patch=(16, 16, 16), mask_strata=8)
+        tiny = M.mae("tiny", grid=(2, 2, 4), patch=(4, 4, 4))
     assert big.ckpt_order()[0] == ("enc", 0) and big.ckpt_order()[48] == ("dec", 0)
     assert tiny.ckpt_order()[0] == ("dec", 0)
     for m in (big, tiny):  # the order is by freed bytes (16 C N per block) per recomputed FLOP
         per = {st: 16 * C * N / m.block_flops(st) for st, C, N in (("enc", m.dim, m.n_keep() + 1), ("dec", m.dec_dim, m.L))}
         assert per[m.ckpt_order()[0][0]] >= per[m.ckpt_order()[-1][0]]
+
+
+def test_heads_split_the_same_weights_into_another_function_that_resume_and_init_from_guard():
+    """heads / dec_heads (0: the size's own, model.SIZES) change no parameter and so no checkpoint's shapes, only the
+    function: a tiny MAE's weights load into its one-head twin and give other outputs. So a checkpoint or a model
+    file older than the keys (no heads in its config) is the size's own heads, resumes and warm-starts as before,
+    and another split is refused with the counts it was trained with; the UNETR fine-tuning takes the encoder
+    alone, so its decoder's heads do not matter. Counts that do not divide the width are a config error naming an
+    aligned one."""
+    import configurator
+    import train
+    from infra import checkpoint, modelfile
+    cfg = {**configurator.defaults(), "crop": (16, 16, 32), "patch": (8, 8, 8)}
+    torch.manual_seed(0)
+    own, one = M.build_model(cfg), M.build_model({**cfg, "heads": 1, "dec_heads": 1})
+    assert [b.heads for b in own.blocks] == [4] * 4 and [b.heads for b in one.blocks] == [1] * 4
+    assert {k: v.shape for k, v in own.state_dict().items()} == {k: v.shape for k, v in one.state_dict().items()}
+    one.load_state_dict(own.state_dict())
+    x, noise = torch.randn(2, 1, 16, 16, 32), torch.rand(2, 16)
+    with torch.no_grad():
+        a, b = (m(x, noise=noise)[0] for m in (own, one))
+    assert not torch.allclose(a, b, atol=1e-4)  # the same weights, another function
+    old = json.loads(json.dumps({k: v for k, v in cfg.items() if k not in ("heads", "dec_heads")}))  # pre-keys
+    assert M.head_counts(old) == M.head_counts(cfg) == M.head_counts({**cfg, "heads": 4}) == (4, 4)
+    meta = {"config": old, "world": 1, "dtype": "torch.float32"}
+    for same in (cfg, {**cfg, "heads": 4, "dec_heads": 4}):
+        checkpoint.check_compatible(meta, same, 1, "torch.float32", "ckpt/step_2")
+        modelfile.check_init(old, same, "m.pt")
+    with pytest.raises(configurator.ConfigError, match=r"trained with heads, dec_heads=\(4, 4\), this run has \(1, 4\)"):
+        checkpoint.check_compatible(meta, {**cfg, "heads": 1}, 1, "torch.float32", "ckpt/step_2")
+    with pytest.raises(configurator.ConfigError, match="trained with 4 encoder and 4 decoder heads and this run has 4 "
+                                                       "and 1: .* set heads=4 dec_heads=4"):
+        modelfile.check_init(old, {**cfg, "dec_heads": 1}, "m.pt")
+    seg = {**cfg, "task": "segment", "seg_head": "unetr", "dec_heads": 1}
+    modelfile.check_init(old, seg, "m.pt")  # the UNETR head takes no decoder block
+    with pytest.raises(configurator.ConfigError, match="trained with 4 encoder"):
+        modelfile.check_init(old, {**seg, "heads": 2}, "m.pt")
+    for bad, says in (({"heads": 5}, r"heads=5: 0 \(model_size 'tiny''s own 4\) or a count that divides its width 96"),
+                      ({"dec_heads": 3}, r"dec_heads=3: .* width 64, e.g. 1 \(heads of 64\)"),
+                      ({"heads": -1}, "heads=-1"), ({"model_size": "G", "heads": 16.0}, "e.g. 13 \\(heads of 128\\)")):
+        with pytest.raises(configurator.ConfigError, match=says):
+            train.check_config({**cfg, **bad})

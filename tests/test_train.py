@@ -182,12 +182,12 @@ def test_checkpoint_is_on_disk_before_it_is_marked_complete(tmp_path, monkeypatc
     """save_checkpoint (a real FSDP2 engine, world 1) flushes every file of the checkpoint before it renames
     COMPLETE into place, then flushes the rename and the checkpoint directory's own entry."""
     import torch.distributed as dist
-    from model import MODELS
+    from model import mae
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         cfg = configurator.defaults()
         cfg.update(strategy="fsdp2", grad_clip=0.0)
-        engine = strategies.FSDP2Engine(MODELS["tiny"](grid=(2, 2, 2), patch=(4, 4, 4)), cfg, 1e-3, torch.float32,
+        engine = strategies.FSDP2Engine(mae("tiny", grid=(2, 2, 2), patch=(4, 4, 4)), cfg, 1e-3, torch.float32,
                                    torch.device("cpu"))
         events, real_fsync, real_replace = [], os.fsync, os.replace
 

@@ -202,7 +202,7 @@ def _slices_worker(rank, world, store, out):
     the val loss and the figure's slices."""
     torch.manual_seed(0)
     group = torch.distributed.new_group(list(range(world)))
-    m = M.mae_tiny(grid=(2, 2, 4), patch=(8, 8, 8), mask_strata=2)
+    m = M.mae("tiny", grid=(2, 2, 4), patch=(8, 8, 8), mask_strata=2)
     m.set_context_parallel(group if world > 1 else None)
     m.eval()
     s = data.Sampler([store], (16, 16, 32), seed=1, cp_rank=rank, cp_size=world, part=("val", 1 / 3), stream="val")
