@@ -36,6 +36,8 @@ in_flight = 16  # requests in flight per rank (on one event loop; also sizes the
 read_threads = 0  # decompression threads per rank (0: the CPUs this rank may use / the ranks on its node)
 prefetch = 2  # micro batches read ahead of compute
 align_crops = False  # crop origins on chunk boundaries: fewest chunks (and bytes) per crop
+store_chunks = (128, 128, 128)  # the chunks data_paths' stores were written in (MDIO's default): what the
+#                                 planner prices S3 requests at, one GET a chunk; the reader reads each store's own
 min_live = 0.0  # skip crops whose live-trace fraction is below this
 read_retries = 6  # retries of a failing chunk request (exponential backoff, jitter), then an error
 read_timeout_s = 30.0  # a request that has not answered by then is retried

@@ -85,7 +85,7 @@ def check_config(cfg):
              f"{key} must be {'>=' if closed else '>'} {lo}{f' and <= {hi}' if hi is not None else ''}, got {v!r}")
     need(all(0 <= cfg[b] < 1 for b in ("beta1", "beta2")),
          f"beta1 and beta2 (AdamW's) must be in [0, 1), got {cfg['beta1']}, {cfg['beta2']}")
-    for key in ("crop", "patch", "synthetic_shape", "synthetic_chunks"):
+    for key in ("crop", "patch", "synthetic_shape", "synthetic_chunks", "store_chunks"):
         v = cfg[key]
         need(len(v) == 3 and all(isinstance(a, int) and a > 0 for a in v),
              f"{key} must be 3 positive ints (inline, crossline, time), got {v!r}")

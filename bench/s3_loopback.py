@@ -1,6 +1,7 @@
 """A real S3 endpoint on loopback for tests and benchmarks: moto's ThreadedMotoServer (the convention of
 the s3fs and zarr test suites), and FaultProxy, an HTTP proxy in front of it that fails a chosen fraction
-of requests the ways S3 does: 503 SlowDown, a dropped connection, or a long delay."""
+of requests the ways S3 does: 503 SlowDown, a dropped connection, or a long delay (and 429 Too Many Requests, as
+S3-compatible stores throttle)."""
 import collections
 import http.client
 import http.server
@@ -103,8 +104,8 @@ class SilentEndpoint:
 class FaultProxy:
     """HTTP proxy to `upstream` that, for GET requests, answers a fraction `fail` of them with a fault:
     503 SlowDown, a dropped connection (socket closed with no response), or a delay of `delay_s` before
-    forwarding, in the proportions of `kinds`. Seeded: the same requests fail in the same way. Counts what
-    it did in .stats. forbid=True answers every request 403 AccessDenied (a bucket you may not read).
+    forwarding, in the proportions of `kinds` ("503", "drop", "delay"; "429": Too Many Requests). Seeded: the
+    same requests fail in the same way. Counts what it did in .stats. forbid=True answers every request 403 AccessDenied (a bucket you may not read).
     .signed_by counts the requests by the access key id that signed them (the Credential= of their SigV4
     Authorization header; None: unsigned) and .tokens by their X-Amz-Security-Token (None: none): which
     credentials a client really sent, without looking inside it."""
@@ -113,7 +114,7 @@ class FaultProxy:
         self.upstream_port, self.fail, self.kinds, self.delay_s = upstream_port, fail, kinds, delay_s
         self.forbid = forbid
         self.rng, self.lock = random.Random(seed), threading.Lock()
-        self.stats = {"requests": 0, "503": 0, "drop": 0, "delay": 0}
+        self.stats = {"requests": 0, "503": 0, "429": 0, "drop": 0, "delay": 0}
         self.signed_by, self.tokens = collections.Counter(), collections.Counter()
         proxy = self
 
@@ -136,10 +137,13 @@ class FaultProxy:
                     if self.command == "GET" and proxy.rng.random() < proxy.fail:
                         fault = proxy.rng.choice(proxy.kinds)
                         proxy.stats[fault] += 1
-                if proxy.forbid or fault == "503":
-                    code, msg = (403, b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>") \
-                        if proxy.forbid else \
-                        (503, b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>")
+                if proxy.forbid or fault in ("503", "429"):
+                    code, msg = {
+                        "forbid": (403, b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"),
+                        "503": (503, b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message>"
+                                     b"</Error>"),
+                        "429": (429, b"<Error><Code>TooManyRequests</Code><Message>Too many requests.</Message>"
+                                     b"</Error>")}["forbid" if proxy.forbid else fault]
                     self.send_response(code)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(msg)))

@@ -3,10 +3,12 @@ The dry run (DRY_RUN=1 bash launch.sh CONFIG, or train.py --dry_run=True): every
 data, before paying for the cluster. Another live run in out_dir (its lease), the world size for the configured
 nodes x gpus_per_node, the SLURM allocation, the checkpoint a relaunch would resume from (or the init_from weights)
 against this config, the batch arithmetic, and the planner's verdict (infra/plan.py): memory per GPU, the least
-activation checkpointing that fits, samples/s, the stop lead SLURM's warning needs. Prints LAUNCH lines that
-launch.sh reads; a config that cannot run is a ConfigError (exit 2), the last thing the user sees.
+activation checkpointing that fits, samples/s, the stop lead SLURM's warning needs, the S3 requests per second
+against the rate S3 documents per prefix (and what lowers them). Prints LAUNCH lines that launch.sh reads; a config
+that cannot run is a ConfigError (exit 2), the last thing the user sees.
 """
 
+import math
 import os
 
 import torch
@@ -74,6 +76,7 @@ def check_launch(cfg):
                                f"): ~{p['samples_per_s_ckpt_fit']:.2f} samples/s; every block: "
                                f"~{p['samples_per_s_full_ckpt']:.2f}" if fit is not None else
                                "none fits, even with every block checkpointed"))
+    s3_requests(cfg, p)
     lead = cfg["stop_lead_s"] or p["stop_lead_s"]
     print(f"stop: under SLURM, SIGUSR1 {lead} s before the time limit -> checkpoint, exit {stop.RESUMABLE}"
           f"{' (stop_lead_s)' if cfg['stop_lead_s'] else ''}; the planner's need: 60 s + 1.5 x (2 steps of "
@@ -88,3 +91,52 @@ def check_launch(cfg):
             + (f"checkpoint {p['ckpt_blocks_fit']} blocks (grad_ckpt=True, ckpt_blocks={p['ckpt_blocks_fit']})"
                if p["ckpt_blocks_fit"] is not None else "raise cp, lower micro_batch or the model size"))
     return 0
+
+
+def s3_requests(cfg, p):
+    """The S3 request rate of plan p (infra/plan.py: one GET a chunk) and, where it is over the rate S3 documents per
+    prefix (plan.S3_GET_PER_PREFIX) and the stores are on S3, a warning naming what each fix does to it."""
+    limit, n, sps = plan.S3_GET_PER_PREFIX, p["s3_prefixes"], p["samples_per_s"]
+    shape = " x ".join(map(str, p["s3_chunks"]))
+    on_s3 = any(str(x).lstrip("@").startswith("s3://") for x in cfg["data_paths"])
+    print(f"S3 requests: {p['s3_gets_per_sample']:,.1f} GETs per sample (chunks of {shape} touched, "
+          f"{'aligned' if p['s3_aligned'] else 'unaligned'}) x ~{sps:.2f} samples/s = "
+          f"~{p['s3_gets_per_s_per_node']:,.0f} GET/s per node, ~{p['s3_gets_per_s']:,.0f} in all, " +
+          (f"~{p['s3_gets_per_s_per_prefix']:,.0f} on each of {n} store prefix{'es' * (n > 1)}" if n else
+           "over the stores that data_paths' patterns or manifests name (not counted here)") +
+          f"; S3 documents {limit:,} GET/s per prefix" + ("" if on_s3 else " (data_paths are not on S3 here)"))
+    need = p["s3_prefixes_needed"]
+    if not on_s3 or need <= (n or 1):
+        return
+    if n is None:  # a library: its stores are counted only by listing it
+        print(f"S3 requests: at least {need} stores on prefixes of their own, drawn about evenly, keep each under "
+              f"{limit:,} GET/s (a store drawn more often, as a larger one is under sample_weighting='volume', "
+              f"takes more)")
+        return
+    per = p["s3_gets_per_s_per_prefix"]
+    rate = lambda chunks, align: (sps * plan.chunk_gets(cfg["crop"], chunks, cfg["cp"], align)  # noqa: E731
+                                  * (2 if cfg["task"] == "segment" else 1) / n)
+    print(f"warning: S3 request rate: ~{per:,.0f} GET/s on each store's prefix is {per / limit:.1f} x the {limit:,} "
+          f"S3 documents per partitioned prefix: expect 503 SlowDown answers, which the reader backs off from and "
+          f"goes on (infra/reader.py), so the run slows to the rate S3 gives. A chunk is one GET whatever its size; "
+          f"what lowers the rate:")
+    c = tuple(p["s3_chunks"])
+    if not p["s3_aligned"]:
+        print(f"  align_crops=True: crops on chunk boundaries touch no partial chunk at their borders: "
+              f"~{rate(c, True):,.0f} GET/s per prefix")
+    bigger = [(c[0], c[1], 2 * c[2]), (c[0], c[1], 4 * c[2]), (2 * c[0], 2 * c[1], 2 * c[2]),
+              (2 * c[0], 2 * c[1], 4 * c[2])]
+    fit = min((b for b in bigger if rate(b, True) <= limit), key=math.prod, default=None)
+    if fit:
+        print(f"  larger chunks: stores written in chunks of {' x '.join(map(str, fit))} (and align_crops=True) give "
+              f"~{rate(fit, True):,.0f} GET/s per prefix, each chunk {math.prod(fit) * 4 / 2 ** 20:,.0f} MiB as "
+              f"float32 (docs/data.md: which chunks for which config; store_chunks={fit} tells the planner)")
+    else:
+        print(f"  larger chunks: not enough alone (chunks of {' x '.join(map(str, bigger[-1]))}, aligned: "
+              f"~{rate(bigger[-1], True):,.0f} GET/s per prefix)")
+    print(f"  more stores, each on a prefix of its own (s3://bucket/PREFIX/survey.mdio): S3 gives every partitioned "
+          f"prefix its own {limit:,} GET/s, so {need} stores drawn about evenly stay under it (S3 partitions a new "
+          f"prefix as its load grows, with 503s meanwhile)")
+    print(f"  (fewer in_flight does not lower the rate, which is GETs per sample x samples/s: it lowers each rank's "
+          f"burst, at most in_flight={cfg['in_flight']} GETs on the wire at once, and below what training needs it slows the "
+          f"reads and so the run)")

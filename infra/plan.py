@@ -294,6 +294,48 @@ def ring_bytes(N, C, d, elem, W, on_gpu=True):
     return per * N * C
 
 
+# S3's documented request rate: "at least 3,500 PUT/COPY/POST/DELETE or 5,500 GET/HEAD requests per second per
+# partitioned Amazon S3 prefix" (Amazon S3 User Guide, "Best practices design patterns: optimizing Amazon S3
+# performance": https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html). Above it S3
+# answers 503 SlowDown until it has partitioned the prefix further, which it does gradually and without a promise.
+# The limit counts requests, not bytes: each chunk is one GET whatever its size, so the chunk shape sets the rate.
+S3_GET_PER_PREFIX = 5500
+S3_PUT_PER_PREFIX = 3500
+
+
+def chunk_gets(crop, chunks, cp=1, align=False):
+    """Expected chunk GETs for one sample of `crop` voxels from a store chunked `chunks`, summed over its cp ranks
+    (data.Sampler: rank r reads the inline slab [r S, (r + 1) S) of the crop, S = crop[0] / cp). A chunk the crop
+    only touches is a whole GET (and all its bytes), and one that two slabs share is fetched by both ranks. Along
+    each axis, a window of n voxels at offset a from the crop's origin touches, in chunks of c:
+      align, crop >= chunk (the origin on a chunk boundary): floor((a + n - 1) / c) - floor(a / c) + 1
+      align, crop < chunk (the crop inside one chunk): 1
+      not aligned (the origin uniform modulo c): 1 + (n - 1) / c on average (from offset r within a chunk it touches
+        floor((r + n - 1) / c) + 1, whose mean over r = 0 .. c - 1 is that, by Hermite's identity)
+    The axes' origins are drawn independently (data._draw), so the mean of the product is the product of the means."""
+    slab = crop[0] // cp
+    total = 1.0
+    for axis, (n, c) in enumerate(zip(crop, chunks)):
+        windows = [(r * slab, slab) for r in range(cp)] if axis == 0 else [(0, n)]
+        if align and n >= c:
+            total *= sum((a + w - 1) // c - a // c + 1 for a, w in windows)
+        elif align:
+            total *= len(windows)
+        else:
+            total *= sum(1 + (w - 1) / c for _, w in windows)
+    return total
+
+
+def store_prefixes(paths):
+    """How many S3 key prefixes the reads of `paths` (data_paths) spread over, as far as the config says: every store
+    named is one (all its chunk keys start with its path, so S3 partitions it as one prefix until its load makes S3
+    split it, which it may do late or not at all). A glob pattern or an @manifest names stores that only a listing
+    counts: None."""
+    if any(str(x).startswith("@") or any(ch in str(x) for ch in "*?[") for x in paths):
+        return None
+    return len(set(map(str, paths)))
+
+
 ACT_MARGIN = 1.15  # the least checkpointing that fits plans for 15 % more activations than modelled (the
 #                    activation model's largest error measured here, bench/plan.py calibrate: 14 %)
 
@@ -347,6 +389,12 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             hidden = hidden and hop_comm <= hop_compute
     voxels = math.prod(cfg["crop"])
     s3_node = sps / max(1, W // gpus_per_node) * voxels * 4  # float32 voxels of every sample, per node
+    # S3 requests: each chunk a crop touches is a GET (S3_GET_PER_PREFIX), the labels' too when fine-tuning. The
+    # chunks are the stores' own, which the config can only state: store_chunks (the synthetic store's when the run
+    # writes it)
+    s3_chunks = tuple(cfg["synthetic_chunks"] if cfg["make_synthetic"] else cfg["store_chunks"])
+    s3_gets = chunk_gets(cfg["crop"], s3_chunks, cp, cfg["align_crops"]) * (2 if cfg["task"] == "segment" else 1)
+    s3_prefixes = store_prefixes(cfg["data_paths"])
     fits = mem[strategy] <= limit
     shape_rows, shape_flags, t_attn, t_attn128 = shapes(m, cp)
     # the step: a cp group's micro_batch x grad_accum samples, each spread over its cp ranks
@@ -380,7 +428,15 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             "shape_flags": shape_flags, "shapes": shape_rows,
             "attention_gpu_s_per_sample": t_attn, "attention_gpu_s_per_sample_at_128": t_attn128,
             "ring_gb_per_step_per_rank": round(ring_traffic / 1e9, 2), "ring_hidden_by_compute": hidden,
-            "s3_gb_per_s_per_node": round(s3_node / 1e9, 3), "strategy": strategy, "grad_ckpt": cfg["grad_ckpt"],
+            "s3_gb_per_s_per_node": round(s3_node / 1e9, 3),
+            "s3_chunks": list(s3_chunks), "s3_aligned": bool(cfg["align_crops"]), "s3_gets_per_sample": s3_gets,
+            "s3_gets_per_s": sps * s3_gets, "s3_gets_per_s_per_node": sps / max(1, W // gpus_per_node) * s3_gets,
+            "s3_prefixes": s3_prefixes, "s3_gets_per_s_per_prefix": sps * s3_gets / (s3_prefixes or 1),
+            "s3_prefixes_needed": math.ceil(sps * s3_gets / S3_GET_PER_PREFIX),
+            # whole chunks, float32 uncompressed: the crop's voxels and the rest of the chunks at its borders
+            "s3_fetched_gb_per_s_per_node": round(sps / max(1, W // gpus_per_node) * s3_gets * math.prod(s3_chunks)
+                                                  * 4 / 1e9, 3),
+            "strategy": strategy, "grad_ckpt": cfg["grad_ckpt"],
             "fits": bool(fits), "limit_gb": round(limit, 1),
             "step_s": step_s, "flop_bound_s_per_step": per_step * t["flop"],
             "attention_s_per_step": per_step * t["attention"], "other_s_per_step": per_step * t["other"],
@@ -447,6 +503,14 @@ def report(p, name):
              ["stop lead (SLURM's warning)", f"{p['stop_lead_s']} s: 60 + 1.5 x (2 steps + an evaluation of "
                                              f"{p['eval_s']:.1f} s + the checkpoint write of {p['ckpt_s']:.1f} s)"],
              ["S3 read per node at that rate", f"{p['s3_gb_per_s_per_node']:.2f} GB/s (float32, uncompressed)"],
+             ["S3 GETs per sample", f"{p['s3_gets_per_sample']:,.1f} (chunks of {' x '.join(map(str, p['s3_chunks']))} "
+                                    f"touched, {'aligned' if p['s3_aligned'] else 'unaligned'}; whole chunks: "
+                                    f"{p['s3_fetched_gb_per_s_per_node']:.2f} GB/s per node)"],
+             ["S3 GET/s at that rate", f"{p['s3_gets_per_s_per_node']:,.0f} per node, "
+                                       f"{p['s3_gets_per_s_per_prefix']:,.0f} per store prefix "
+                                       f"({p['s3_prefixes'] or 'stores not counted: 1'} of them) of S3's "
+                                       f"{S3_GET_PER_PREFIX:,}" + (" -> OVER" if p["s3_gets_per_s_per_prefix"] >
+                                                                   S3_GET_PER_PREFIX else "")],
              ["fits", f"{'yes' if p['fits'] else 'NO'}: {p['mem_per_gpu_gb']:.1f} GB of {p['limit_gb']} GB usable"]]
     table(rows, ["quantity", "value"])
     print("\nshapes per rank (tokens: this rank's x the sequence attended to; attention rate: ATTN_TFLOPS, infra/plan.py):")

@@ -2,7 +2,8 @@
 One seismic volume opened for reading: requests, retries, decompression, crops.
 
   ReadOptions     how stores are opened and read (requests in flight, retries, timeouts, S3 access, threads)
-  RequestStore    the store under every volume: each GET takes one of in_flight places, times out, is retried
+  RequestStore    the store under every volume: each GET takes one of in_flight places, times out, is retried;
+                  throttling answers (503 SlowDown, 429) are backed off from in place and never use up the retries
   Volume          one opened store (MDIO v1, MDIO v0, a plain 3D Zarr array): shape, chunks, per-volume
                   statistics, trace mask; read() / aread() a crop, normalised
   read_crops      many crops read side by side (a micro batch), one wait for the caller
@@ -35,6 +36,8 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.buffer.cpu import NDBuffer  # a numpy array as zarr's output buffer
 from zarr.core.sync import sync as zarr_sync  # runs a coroutine on zarr's event loop, where its stores live
 
+from infra import throttle
+
 
 class DataError(ValueError):
     """Bad data input: the message names the problem and the fix."""
@@ -44,7 +47,8 @@ class ReadOptions:
     """How stores are opened and read; train.py fills it from its config.
       in_flight        requests in flight, shared by every store opened with these options (RequestStore);
                        also sizes the HTTP connection pool
-      retries          attempts after the first for a transient failure (5xx, SlowDown, reset, timeout)
+      retries          attempts after the first for a transient failure (5xx, reset, timeout); throttling answers
+                       (503 SlowDown, 429) do not count: Backoff
       backoff_s        first backoff; doubles each retry, with full jitter
       timeout_s        a request that has not answered by then is abandoned and retried
       anon             anonymous S3 access (public buckets); otherwise the normal AWS credential chain
@@ -90,10 +94,13 @@ def _deadline(seconds):
 
 class RequestStore(zarr.storage.WrapperStore):
     """The store under every Volume: each GET (a chunk, or metadata) takes one of opts.in_flight places, must
-    answer within timeout_s, and a transient failure (HTTP 5xx and SlowDown, connection reset, timeout, a
-    truncated body) is retried with exponential backoff and full jitter, at most opts.retries times; then a
-    DataError names the key and the store. Never zeros: a chunk that fails is an error (a chunk that does not
-    exist is the fill value, by Zarr's rules: the store answers None).
+    answer within timeout_s, and a transient failure (HTTP 5xx, connection reset, timeout, a truncated body) is
+    retried with exponential backoff and full jitter, at most opts.retries times; then a DataError names the key
+    and the store. A throttling answer (503 SlowDown, 429: Backoff) is retried for as long as throttle.PATIENCE_S,
+    and its backoff is waited out holding its place: with the places given back during the backoff, the requests
+    queued behind would take them at once, and the rank would ask S3 as often as before, only for other chunks;
+    held, this rank's request rate falls while it is throttled. Never zeros: a chunk that fails is an error (a chunk
+    that does not exist is the fill value, by Zarr's rules: the store answers None).
     The place is given back as soon as the bytes are in, not when they are decoded: the chunk is decompressed in
     ReadOptions.pool while this place already serves the next request, so a reader with n places keeps n requests
     on the wire (with a thread per request, each thread held its place through the decompression and the
@@ -109,20 +116,22 @@ class RequestStore(zarr.storage.WrapperStore):
 
     async def get(self, key, prototype, byte_range=None):
         opts = self.opts
-        for attempt in range(opts.retries + 1):
-            try:
-                async with opts.requests, _deadline(opts.timeout_s):
-                    return await self._store.get(key, prototype, byte_range)
-            except (PermissionError, FileNotFoundError) as e:
-                final = PermissionError if isinstance(e, PermissionError) else FileNotFoundError
-                raise final(f"{key!r} of {self.url!r}: {e}") from e
-            except Exception as e:
-                what = "metadata" if key.rsplit("/", 1)[-1] in ("zarr.json", ".zarray", ".zgroup", ".zattrs") \
-                    else "chunk"
-                if attempt == opts.retries:
-                    raise failed(f"{what} {key!r} of {self.url!r}", opts, attempt + 1, e) from e
-                warn_unanswered(f"{self.url!r} ({what} {key!r})", opts, attempt, e)
-            await asyncio.sleep(random.uniform(0, opts.backoff_s * 2 ** attempt))  # (its place given back)
+        what = "metadata" if key.rsplit("/", 1)[-1] in ("zarr.json", ".zarray", ".zgroup", ".zattrs") else "chunk"
+        tries = Backoff(opts, f"{what} {key!r} of {self.url!r}", f"{self.url!r} ({what} {key!r})")
+        while True:
+            async with opts.requests:
+                try:
+                    async with _deadline(opts.timeout_s):
+                        return await self._store.get(key, prototype, byte_range)
+                except (PermissionError, FileNotFoundError) as e:
+                    final = PermissionError if isinstance(e, PermissionError) else FileNotFoundError
+                    raise final(f"{key!r} of {self.url!r}: {e}") from e
+                except Exception as e:
+                    wait = tries.after(e)  # (raises the DataError once the tries are spent)
+                if tries.throttled:  # waited out in its place (see above)
+                    await asyncio.sleep(wait)
+                    continue
+            await asyncio.sleep(wait)  # a fault: its place given back meanwhile
 
 
 def unanswered(exc):
@@ -136,6 +145,41 @@ def unanswered(exc):
 
 def endpoint(opts):
     return opts.endpoint_url or "AWS's S3"
+
+
+class Backoff:
+    """One request's tries. After a failure the next try waits a full-jitter exponential backoff (uniform in [0,
+    backoff_s x 2^k], AWS's advice: clients that back off alike would otherwise come back together). A fault (5xx,
+    reset, timeout, a truncated body) uses up one of opts.retries, then failed()'s DataError. A throttling answer
+    (infra/throttle.py: the endpoint answering, and asking for fewer requests) uses up none: its backoff grows to
+    throttle.CAP_S, and only throttle.PATIENCE_S of throttling in a row is an error. s3fs's and botocore's own retry
+    loops are off (open_node, storage_options), so every try is counted here, once."""
+
+    def __init__(self, opts, what, where=None):
+        self.opts, self.what, self.where = opts, what, where or what
+        self.faults = self.throttles = 0
+        self.since = None  # when the throttling answers in a row began
+        self.throttled = False  # whether the last failure was one
+
+    def after(self, exc):
+        """The seconds to wait after failure exc before the next try; raises the DataError once the tries are spent."""
+        code = throttle.answer(exc)
+        self.throttled = code is not None
+        if code:
+            now = time.monotonic()
+            self.since = self.since or now
+            if now - self.since > throttle.PATIENCE_S:
+                raise DataError(throttle.message(self.what, endpoint(self.opts), code, self.throttles + 1,
+                                                 now - self.since)) from exc
+            throttle.note(self.where, endpoint(self.opts), code)
+            self.throttles += 1
+            return random.uniform(0, min(throttle.CAP_S, self.opts.backoff_s * 2 ** (self.throttles - 1)))
+        self.since = None
+        if self.faults == self.opts.retries:
+            raise failed(self.what, self.opts, self.faults + 1, exc) from exc
+        warn_unanswered(self.where, self.opts, self.faults, exc)
+        self.faults += 1
+        return random.uniform(0, self.opts.backoff_s * 2 ** (self.faults - 1))
 
 
 _warned = set()  # (what, try) already said: one line per store and try, however many requests wait on it
@@ -245,33 +289,32 @@ NOT_TRANSIENT = (ArithmeticError, LookupError, TypeError, AttributeError, Assert
 
 
 def with_retries(fn, opts, what, permanent=(PermissionError, FileNotFoundError, DataError)):
-    """fn(), retrying a transient failure (HTTP 5xx and SlowDown, connection reset, timeout, a truncated
-    body) with exponential backoff and full jitter, at most opts.retries times; then a DataError that says
-    `what` failed. Errors in `permanent` (access denied, not found, bad input) are not retried."""
-    for attempt in range(opts.retries + 1):
+    """fn(), retrying a transient failure (HTTP 5xx, connection reset, timeout, a truncated body) with
+    exponential backoff and full jitter, at most opts.retries times, and a throttling answer for as long as
+    throttle.PATIENCE_S (Backoff); then a DataError that says `what` failed. Errors in `permanent` (access denied,
+    not found, bad input; a RequestStore's spent tries) are not retried."""
+    tries = Backoff(opts, what)
+    while True:
         try:
             return fn()
         except permanent:
             raise
         except Exception as e:
-            if attempt == opts.retries:
-                raise failed(what, opts, attempt + 1, e) from e
-            warn_unanswered(what, opts, attempt, e)
-            time.sleep(random.uniform(0, opts.backoff_s * 2 ** attempt))
+            wait = tries.after(e)
+        time.sleep(wait)
 
 
 async def awith_retries(fn, opts, what, permanent=(PermissionError, FileNotFoundError, DataError)):
     """with_retries for a coroutine function, on the event loop (the backoff is an asyncio.sleep)."""
-    for attempt in range(opts.retries + 1):
+    tries = Backoff(opts, what)
+    while True:
         try:
             return await fn()
         except permanent:
             raise
         except Exception as e:
-            if attempt == opts.retries:
-                raise failed(what, opts, attempt + 1, e) from e
-            warn_unanswered(what, opts, attempt, e)
-        await asyncio.sleep(random.uniform(0, opts.backoff_s * 2 ** attempt))
+            wait = tries.after(e)
+        await asyncio.sleep(wait)
 
 
 NOTHING_TO_TRAIN = ("there is nothing to train on: drop it from data_paths (or its manifest), or write it again from "

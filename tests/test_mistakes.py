@@ -297,7 +297,8 @@ def test_synthetic_chunks_of_zero_is_one_line_and_leaves_no_store(tmp_path):
 
 # every key that is not a bool (configurator checks those by type), with a value that is wrong for it
 BAD = {"out_dir": "", "data_paths": [], "sample_weighting": "often", "max_open_stores": 0, "synthetic_shape": (0, 1, 1),
-       "synthetic_chunks": (1, 1), "in_flight": 0, "read_threads": -1, "prefetch": 0, "min_live": 1.5,
+       "synthetic_chunks": (1, 1), "store_chunks": (128, 0, 128), "in_flight": 0, "read_threads": -1, "prefetch": 0,
+       "min_live": 1.5,
        "read_retries": -1, "read_timeout_s": 0.0, "s3_endpoint": "localhost:9000", "crop": (16, 16), "patch": (0, 8, 8),
        "model_size": "enormous", "mask_ratio": 1.0, "ckpt_blocks": -2, "task": "classify", "label_var": "",
        "classes": 1, "pos_weight": 0.0, "layer_decay": 1.5, "seg_head": "mlp", "seg_features": 0, "cp": 0,

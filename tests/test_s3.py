@@ -222,6 +222,130 @@ def test_training_through_faulty_s3_equals_fault_free(s3, small_store, tmp_path)
         proxy.stop()
 
 
+def test_throttled_s3_gives_the_batches_of_fault_free_s3(s3, capfd, monkeypatch):
+    """A proxy answers 40 % of GETs 503 SlowDown or 429 Too Many Requests: the sampler's batches are those read from
+    the fault-free endpoint, bit for bit, with read_retries=0 (a fault would be an error at once: throttling answers
+    use up none of the retries). Each answer is counted once (the reader's count is the proxy's: no second retry
+    layer underneath), and said in a line at the store's 1st, 10th, 100th answer, not one per request."""
+    from infra import throttle
+    monkeypatch.setattr(throttle, "COUNT", __import__("collections").Counter())
+    proxy = FaultProxy(s3.port, fail=0.4, kinds=("503", "429"), seed=3)
+    try:
+        opts = reader.ReadOptions(in_flight=8, endpoint_url=proxy.endpoint, retries=0, backoff_s=0.002)
+        a = data.Sampler([s3.url], (16, 16, 32), micro_batch=2, opts=opts)
+        b = data.Sampler([s3.url], (16, 16, 32), micro_batch=2, opts=reader.ReadOptions(endpoint_url=s3.endpoint))
+        for step in range(5):
+            assert np.array_equal(a.batch(step)[0].numpy(), b.batch(step)[0].numpy())
+        a.close()
+        b.close()
+        assert proxy.stats["503"] > 10 and proxy.stats["429"] > 10, proxy.stats
+        assert sum(throttle.COUNT.values()) == proxy.stats["503"] + proxy.stats["429"], (throttle.COUNT, proxy.stats)
+        lines = [x for x in capfd.readouterr().err.splitlines() if "throttled (" in x]
+        for store, n in throttle.COUNT.items():
+            said = [x for x in lines if x.startswith(f"WARNING: {store} at {proxy.endpoint}")]
+            assert len(said) == len(str(n)), (store, n, said)  # at 1, 10, 100, ... answers
+    finally:
+        proxy.stop()
+
+
+def test_throttling_is_known_by_its_answer_and_its_patience_ends_in_a_clear_error(s3, monkeypatch):
+    """throttle.answer knows botocore's throttling codes and HTTP 429 / 503, as s3fs raises them (an OSError whose
+    cause is the ClientError), and nothing else; a request throttled for longer than throttle.PATIENCE_S stops with
+    a DataError that names the chunk, the answer and what lowers the request rate."""
+    from botocore.exceptions import ClientError
+
+    from infra import throttle
+
+    def boto(code, status):
+        return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                           "GetObject")
+    for code, status in (("SlowDown", 503), ("Throttling", 400), ("ThrottlingException", 400),
+                         ("RequestLimitExceeded", 503), ("TooManyRequests", 429)):
+        err = OSError(16, "Please reduce your request rate.")
+        err.__cause__ = boto(code, status)
+        assert throttle.answer(err) == f"{code} (HTTP {status})"
+    assert throttle.answer(boto("InternalError", 500)) is None and throttle.answer(TimeoutError()) is None
+    assert throttle.answer(OSError("reset")) is None
+    monkeypatch.setattr(throttle, "PATIENCE_S", 0.3)
+    proxy = FaultProxy(s3.port, fail=0.0, kinds=("503",))
+    try:
+        vol = reader.Volume(s3.url, reader.ReadOptions(endpoint_url=proxy.endpoint, backoff_s=0.01))
+        proxy.fail = 1.0
+        with pytest.raises(data.DataError, match=r"chunk 'amplitude/c/0/0/0' of 's3://bkt/small.mdio': throttled for "
+                                                 r"\d+ s without a break \(SlowDown \(HTTP 503\), .*S3 documents 5,500 "
+                                                 r"GET/s per partitioned prefix.*larger chunks, align_crops=True"):
+            vol.read((0, 0, 0), (4, 4, 4))
+    finally:
+        proxy.stop()
+
+
+def test_the_planners_s3_requests_by_hand():
+    """GETs per sample, and per second per node and per store prefix, against a hand count: one GET per chunk the
+    crop touches (data.Sampler's draws), each cp rank its own slab's; the formula for unaligned crops against every
+    origin counted out."""
+    import itertools
+    import math
+
+    import configurator
+    from infra import plan
+    from conftest import ROOT
+
+    def cfg(name, *over):
+        c = configurator.defaults()
+        configurator.apply(c, [f"{ROOT}/config/{name}.py", *over])
+        return c
+    # base_102k: 640 x 640 x 1024 in 128^3 chunks: 5 x 5 x 8 = 200 aligned; unaligned each axis of n touches
+    # 1 + (n - 1) / 128 on average, i.e. 6 chunks but once in 128 origins 5, and 9 but once in 128 origins 8
+    for align, gets in ((True, 200), (False, (5 + 127 / 128) ** 2 * (8 + 127 / 128))):
+        p = plan.plan(cfg("base_102k", f"--align_crops={align}", "--data_paths=['s3://a/x.mdio','s3://b/y.mdio']"), 128)
+        assert math.isclose(p["s3_gets_per_sample"], gets)
+        assert math.isclose(p["s3_gets_per_s_per_node"], p["samples_per_s"] / 16 * gets)
+        assert p["s3_prefixes"] == 2 and math.isclose(p["s3_gets_per_s_per_prefix"], p["samples_per_s"] * gets / 2)
+        assert p["s3_prefixes_needed"] == math.ceil(p["samples_per_s"] * gets / plan.S3_GET_PER_PREFIX)
+    # big_context, cp 8: slabs of 192 inlines; in 128^3 each touches 2 chunks (a chunk shared by two slabs is read by
+    # both ranks): 16 x 12 x 16; in 256^3 the slabs touch 1, 2, 2, 1, 1, 2, 2, 1: 12 x 6 x 8
+    assert plan.plan(cfg("big_context", "--align_crops=True"), 128)["s3_gets_per_sample"] == 16 * 12 * 16
+    p = plan.plan(cfg("big_context", "--align_crops=True", "--store_chunks=(256,256,256)"), 128)
+    assert p["s3_gets_per_sample"] == 12 * 6 * 8 and p["s3_chunks"] == [256, 256, 256]
+    # fine-tuning reads the labels' chunks too; a glob's stores are not counted; the quickstart's own store
+    assert plan.plan(cfg("base_102k", "--align_crops=True", "--task=segment"), 128)["s3_gets_per_sample"] == 400
+    assert plan.plan(cfg("base_102k", "--data_paths=['s3://a/*.mdio']"), 128)["s3_prefixes"] is None
+    assert plan.plan(cfg("quickstart"), 8)["s3_gets_per_sample"] == 1  # 16 x 16 x 64 inside one 32 x 32 x 128 chunk
+    # the unaligned formula, against every origin modulo the chunks (with cp slabs)
+    crop, chunks, cp = (12, 7, 5), (8, 4, 4), 2
+    counts = [math.prod([sum((o + r * 6 + 5) // 8 - (o + r * 6) // 8 + 1 for r in range(cp)),
+                         (o1 + 6) // 4 - o1 // 4 + 1, (o2 + 4) // 4 - o2 // 4 + 1])
+              for o, o1, o2 in itertools.product(range(8), range(4), range(4))]
+    assert math.isclose(plan.chunk_gets(crop, chunks, cp), sum(counts) / len(counts))
+
+
+def test_the_dry_run_warns_of_a_request_rate_over_s3s_and_names_the_fixes(tmp_path, capsys):
+    """base_102k on S3 (unaligned crops, 128^3 chunks, one store): over the rate S3 documents per prefix, the dry run
+    says so and names each fix with the rate it gives; aligned crops in 128 x 128 x 512 chunks are under it, and
+    no warning is printed."""
+    import configurator
+    from infra import dryrun, plan
+    from conftest import ROOT
+    cfg = configurator.defaults()
+    configurator.apply(cfg, [f"{ROOT}/config/base_102k.py", "--data_paths=['s3://bkt/survey.mdio']",
+                             f"--out_dir={tmp_path / 'out'}"])
+    dryrun.check_launch(cfg)
+    out = capsys.readouterr().out
+    p = plan.plan(cfg, 128)
+    assert p["s3_gets_per_s_per_prefix"] > plan.S3_GET_PER_PREFIX
+    assert f"~{p['s3_gets_per_s_per_node']:,.0f} GET/s per node" in out
+    assert (f"warning: S3 request rate: ~{p['s3_gets_per_s_per_prefix']:,.0f} GET/s on each store's prefix is "
+            f"{p['s3_gets_per_s_per_prefix'] / 5500:.1f} x the 5,500 S3 documents") in out, out
+    for fix in ("align_crops=True: crops on chunk boundaries", "larger chunks: stores written in chunks of 128 x 128 x "
+                "512", "more stores, each on a prefix of its own", "fewer in_flight does not lower the rate"):
+        assert fix in out, (fix, out)
+    configurator.apply(cfg, ["--align_crops=True", "--store_chunks=(128,128,512)"])
+    dryrun.check_launch(cfg)
+    out = capsys.readouterr().out
+    assert "S3 requests: 50.0 GETs per sample (chunks of 128 x 128 x 512 touched, aligned)" in out and \
+        "warning: S3" not in out, out
+
+
 def test_anonymous_access_public_vs_private(s3, small_store):
     """s3_anon=True sends unsigned requests: a public-read store opens, a private one is 'access denied'."""
     import os
