@@ -55,7 +55,8 @@ warmup_steps = 500
 log_interval = 1
 ckpt_interval = 100
 
-# streaming: a rank's slab is 2.4 GB = 12 x 12 x 16 = 2,304 chunks of 128^3 (MDIO's default); 64 in flight
+# streaming: a rank's slab is 2.4 GB: 192 inlines of 1536 x 2048, which touch 2 x 12 x 16 = 384 chunks of 128^3 (MDIO's
+#            default; a chunk two slabs share is read by both ranks); 64 in flight
 in_flight = 64
 prefetch = 1
 align_crops = True
