@@ -16,6 +16,7 @@ Seismic volumes in, training samples out.
                              stream of their own (seed, validation index).
   mask_noise                 the masking noise of a sample, also a pure function of (seed, sample index)
   Prefetcher                 micro batches read ahead of the model's compute
+  PinnedBuffers              the page-locked host buffers those batches are copied to the GPU from, reused
 """
 
 import numpy as np
@@ -308,6 +309,41 @@ class Prefetcher:
         for f in self.pending:
             f.cancel()
         self.pool.shutdown(wait=True)
+
+
+class PinnedBuffers:
+    """Page-locked host buffers for the micro batches' copies to the GPU, reused from batch to batch: train.py's
+    prepare_batch takes one per tensor (take, in a prefetch thread) and its to_device gives it back with the CUDA
+    event recorded after the buffer's copy to the device (give_back, on the training thread). Page-locking a
+    GB-sized buffer (cudaHostAlloc) costs far more than filling it, so each is allocated once. A buffer is handed
+    out again only once its event has completed: the copy is asynchronous, and the next batch written into a
+    buffer the copy is still reading would reach the device half old, half new. That wait is the prefetch
+    thread's, and in practice none (the copy was queued a micro step earlier). Buffers are kept per (shape,
+    dtype); a Prefetcher of depth d holds d + 1 of each: d read ahead, and the one whose copy was queued last.
+    pin=False: ordinary memory (tests on a CPU without CUDA)."""
+
+    def __init__(self, pin=True):
+        import threading
+        from collections import defaultdict, deque
+        self.pin, self.lock, self.free, self.allocated = pin, threading.Lock(), defaultdict(deque), 0
+
+    def take(self, shape, dtype):
+        """An unused buffer of this shape and dtype: the one given back first, once its copy is done, or a new one."""
+        with self.lock:
+            q = self.free[(tuple(shape), dtype)]
+            buf, done = q.popleft() if q else (None, None)
+            self.allocated += buf is None
+        if buf is None:
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+        if done is not None:
+            done.synchronize()
+        return buf
+
+    def give_back(self, buf, done=None):
+        """buf may be taken again once `done` (a torch.cuda.Event recorded after the copy that reads it) has
+        completed; None: at once."""
+        with self.lock:
+            self.free[(tuple(buf.shape), buf.dtype)].append((buf, done))
 
 
 def samplers(cfg, cp_rank, dp_rank, dp_size, log):

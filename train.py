@@ -215,6 +215,8 @@ class Job:
     lease: object = None  # lease.Lease: rank 0's hold on out_dir (infra/lease.py); None on the other ranks
     ckpt_bytes: int = 0  # the planner's size of one checkpoint: the room save() asks the file system for
     floor: dict = None  # evaluate.floor_of's, once per process: the validation's floor (rank 0; {} elsewhere)
+    pinned: data.PinnedBuffers = None  # on a GPU: the batches' page-locked host buffers, reused (prepare_batch)
+    copy_stream: object = None  # on a GPU: the side stream the batches are copied to the device on (to_device)
 
     @property
     def on_gpu(self):
@@ -233,6 +235,8 @@ def setup(cfg):
     global_batch = cfg["micro_batch"] * cfg["grad_accum"] * dp_size
     job = Job(cfg, rank, world, device, dtype, cfg["cp"], cp_rank, dp_rank, dp_size, cp_group, global_batch,
               peak_lr=cfg["blr"] * global_batch / 256, log=print if rank == 0 else (lambda *a, **k: None))
+    if job.on_gpu:
+        job.pinned, job.copy_stream = data.PinnedBuffers(), torch.cuda.Stream()
     # ---- one run per out_dir, before anything is written there: rank 0 takes its lease (or takes over a stale one),
     # and a live one held by another run is refused on every rank (infra/lease.py). The planner's step, evaluation and
     # checkpoint times let another run judge this lease stale from another host before any step is logged.
@@ -290,15 +294,40 @@ def prepare_batch(job, x, ids):
       x (B, 1, Z/cp, Y, X): cast to the compute dtype, on GPU straight into pinned memory (the copy to the
                             device can then overlap compute: a pageable source makes it synchronous, and a
                             cast on the way makes it a CPU conversion on the training thread).
+    On GPU both go into page-locked buffers of job.pinned, taken back by to_device once their copy is queued.
     Fine-tuning (task="segment"): no mask (ids_keep None), and x is (B, 2, ...), the labels as channel 1."""
     ids_keep = None
     if job.cfg["task"] == "mae":
         noise = data.mask_noise(job.cfg["seed"], ids, job.model.L, job.cp_rank, job.cp)  # (B, L / cp) fp32
         ids_keep = job.model.keep_ids(noise, job.cp_rank, job.cp)
     if job.on_gpu:
-        buf = torch.empty(x.shape, dtype=job.dtype, pin_memory=True)
-        return buf.copy_(x), None if ids_keep is None else ids_keep.pin_memory()
+        buf = job.pinned.take(x.shape, job.dtype).copy_(x)
+        return buf, None if ids_keep is None else job.pinned.take(ids_keep.shape, ids_keep.dtype).copy_(ids_keep)
     return x.to(job.dtype), ids_keep
+
+
+def to_device(job, x, ids_keep):
+    """A prepared micro batch (prepare_batch) onto the device without blocking the training thread. On a GPU the
+    copies run on a side stream (job.copy_stream): they start at once on the copy engine, while the GPU still
+    runs the previous step's work, instead of queueing behind it on the compute stream; the compute stream waits
+    for them (an event) before anything reads the batch. Their pinned buffers go back to job.pinned with that
+    event, to be refilled only once the copy has read them. The device tensors are allocated on the side stream
+    and used on the compute stream: record_stream keeps the allocator from handing their memory to the side
+    stream's next copy before the compute stream is done with them (so the side stream's pool keeps up to two
+    batches' worth of device memory: the one in use and the next one's copy). On CPU: the batch as it is."""
+    if not job.on_gpu:
+        return x, ids_keep
+    compute = torch.cuda.current_stream()
+    with torch.cuda.stream(job.copy_stream):
+        out = [None if t is None else t.to(job.device, non_blocking=True) for t in (x, ids_keep)]
+        done = torch.cuda.Event()
+        done.record()
+    compute.wait_event(done)
+    for on_device, host in zip(out, (x, ids_keep)):
+        if on_device is not None:
+            on_device.record_stream(compute)
+            job.pinned.give_back(host, done)
+    return tuple(out)
 
 
 def micro_batches(job, start, end, depth=None):
@@ -325,11 +354,7 @@ def train_step(job, step, batches, stop=0.0):
     for micro in range(cfg["grad_accum"]):
         t0 = time.time()
         x, ids_keep = next(batches)  # (micro_batch, 1, crop[0] / cp, crop[1], crop[2]) in the compute dtype
-        # pinned -> device without blocking this thread (a no-op on CPU); the copy is queued on the stream
-        # ahead of the forward that reads it
-        x = x.to(job.device, non_blocking=True)
-        if ids_keep is not None:
-            ids_keep = ids_keep.to(job.device, non_blocking=True)
+        x, ids_keep = to_device(job, x, ids_keep)  # pinned -> device, not blocking this thread (CPU: as it is)
         wait += time.time() - t0
         loss = engine(x, ids_keep=ids_keep)[0]  # (MAE: loss, pred, mask; segmenter: loss, logits)
         acc[0] += loss.detach().float() / cfg["grad_accum"]

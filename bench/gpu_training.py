@@ -1,7 +1,7 @@
 """
 The GPU check's sections on the training path (bench/gpu.py runs each in its own process): bf16_step, memory,
-bf16_strategies, batch_copy, compile, stop_signal, embed, elastic: train.py, scripts/embed.py and the strategies on this
-device, against the CPU or each other. Each sec_NAME(smoke, dev, out_dir) returns a dict with "ok" and what it
+bf16_strategies, compile, stop_signal, embed, segment, elastic: train.py, scripts/embed.py and the strategies on this
+device, against the CPU or each other (the batch's copy to the device: bench/gpu_model.py's data_copy). Each sec_NAME(smoke, dev, out_dir) returns a dict with "ok" and what it
 measured.
 """
 
@@ -15,8 +15,7 @@ import time
 import numpy as np
 import torch
 
-from bench.gpu_attention import HERE, _sync, _timed
-from infra.plan import table
+from bench.gpu_attention import HERE, _sync
 
 # --cpu-smoke: the quickstart steps at a micro batch of 2, not 8. The code path is the same; a CPU without bf16
 # instructions multiplies bf16 at about 1 GFLOP/s (bench/step.py's matmul_flops), so the full batch made the smoke
@@ -90,28 +89,6 @@ def sec_bf16_strategies(smoke, dev, out_dir, steps=None):
     print(f"bf16, {steps} quickstart steps: zero2 and fsdp2 same masks: {same}, mean relative loss difference "
           f"{mean:.2e}")
     return {"same_masks": same, "mean_rel_diff": mean, "ok": same and mean <= 2e-2}
-
-
-def sec_batch_copy(smoke, dev, out_dir):
-    """One base_102k sample to the device the way train.py copies it (pinned bf16, non_blocking) against a pageable
-    fp32 cast on the way: the training thread's time and the copy's time on the stream. Pass (GPU): the pinned
-    copy frees the training thread (its host time is below the pageable one's)."""
-    shape = (1, 1, 64, 64, 64) if smoke else (1, 1, 640, 640, 1024)
-    pin = dev.type == "cuda"
-    src = torch.empty(shape, dtype=torch.bfloat16, pin_memory=pin).normal_()
-    pageable = torch.randn(shape)
-    res = {}
-    for name, fn in (("pinned bf16, non_blocking", lambda: src.to(dev, non_blocking=True)),
-                     ("pageable fp32 -> bf16", lambda: pageable.to(dev, torch.bfloat16))):
-        fn()
-        _sync(dev)
-        t = time.perf_counter()
-        fn()
-        host = time.perf_counter() - t
-        res[name] = {"host_ms": round(1000 * host, 3), "stream_ms": round(1000 * _timed(fn, dev, 2), 3)}
-    table([[k, v["host_ms"], v["stream_ms"]] for k, v in res.items()], ["copy", "training thread ms", "total ms"])
-    ok = (not pin) or res["pinned bf16, non_blocking"]["host_ms"] < res["pageable fp32 -> bf16"]["host_ms"]
-    return {"shape": list(shape), **res, "ok": ok}
 
 
 def sec_compile(smoke, dev, out_dir):

@@ -4,6 +4,7 @@ groups, and work that rank 0 does for everyone.
 
     free_port()               a free TCP port on this machine (a world of 1, a test's rendezvous)
     init()                    torch.distributed started for this process -> (rank, world, device)
+    group_kwargs(on_gpu, lr)  init_process_group's arguments: NCCL bound to the local rank's GPU, or gloo
     die_with_launcher()       under torchrun: this rank ends as soon as its torchrun is gone (init calls it)
     cp_groups(cp)             (cp_rank, dp_rank, dp_size, cp_group): ranks [i*cp, (i+1)*cp) share sample stream i
     on_rank_0(work)           work() on rank 0, the others waiting; its result on every rank
@@ -47,10 +48,19 @@ def init():
     if on_gpu:
         torch.cuda.set_device(local)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if on_gpu else "gloo")
+        dist.init_process_group(**group_kwargs(on_gpu, local))
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # (every rank has joined: its node's peers exist)
         siblings.update(find_siblings())
     return rank, world, torch.device("cuda", local) if on_gpu else torch.device("cpu")
+
+
+def group_kwargs(on_gpu, local_rank):
+    """init_process_group's arguments: NCCL bound to this rank's GPU (device_id: NCCL then knows the rank's device
+    from the start instead of guessing it from the global rank at the first collective, which hangs when ranks and
+    GPUs do not map one to one, and barrier() no longer warns), or gloo on CPU."""
+    if on_gpu:
+        return {"backend": "nccl", "device_id": torch.device("cuda", local_rank)}
+    return {"backend": "gloo"}
 
 
 at_launcher_gone = None  # what a rank does before die_with_launcher ends it: train sets rank 0's lease release

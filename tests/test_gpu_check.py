@@ -10,6 +10,7 @@ import pytest
 from conftest import ROOT, job_env
 
 from bench import gpu
+from bench import gpu_model
 
 pytestmark = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves it out)
 
@@ -34,6 +35,13 @@ def test_every_section_passes_on_cpu(tmp_path):
     by = {x["section"]: x for x in lines}
     assert by["self_ring"]["vias"] == ["copy"] and by["self_p2p"]["supported"] is False  # gloo: no send to self
     assert by["big_blocks"]["encoder"]["head_dim"] == 104 and by["big_blocks"]["decoder"]["head_dim"] == 32
+    # the whole-model sections ran at the head layouts they name, and measured every block
+    for name, heads in gpu_model.SMOKE_HEADS.items():
+        assert by[name]["heads"] == [heads["heads"], heads["dec_heads"]], (name, by[name])
+        assert [len(by[name]["stacks"][s]["block_bwd_ms"]) for s in ("encoder", "decoder")] == [4, 2], by[name]
+    assert by["rank_step"]["W"] == 8 and by["rank_step"]["ckpt_blocks"]["encoder"], by["rank_step"]
+    assert all(by["data_copy"][c][p]["values_right"] for c in ("quickstart", "base_102k", "big_context rank")
+               for p in ("old", "new", "pageable"))
 
 
 def test_a_section_past_its_limit_costs_only_itself(tmp_path):
@@ -46,3 +54,15 @@ def test_a_section_past_its_limit_costs_only_itself(tmp_path):
     left = subprocess.run(["pgrep", "-f", "bench.plan _memory_worker"], capture_output=True, text=True).stdout
     assert not left, f"the killed section's ranks outlived it: {left}"
     assert lines["env"]["ok"] and lines["ops"]["ok"]
+
+
+def test_the_budgets_end_cuts_or_skips_a_section_and_fails_none(tmp_path):
+    # a section the budget's end stops is "cut (budget)", one it leaves no time for "skipped (budget)": listed, not
+    # failures (elastic's smoke, two training runs and a checkpoint conversion, takes about 50 s)
+    r = _run(tmp_path / "cut", "--only=env,elastic", "--budget_s=30")
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["status"] == {"env": "ok", "elastic": "cut (budget)"}, summary
+    assert r.returncode == 0 and summary["ok"] and "the budget's end" in summary["sections"]["elastic"]["error"]
+    r = _run(tmp_path / "skip", "--only=ops", "--budget_s=10")
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == 0 and summary["ok"] and summary["status"] == {"ops": "skipped (budget)"}, summary
