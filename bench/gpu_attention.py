@@ -271,8 +271,9 @@ def sec_torch_cp(smoke, dev, out_dir):
 
 def sec_big_blocks(smoke, dev, out_dir):
     """One ViT-G encoder block and one decoder block at big_context's per-rank shapes (1,179,648 tokens over cp 8:
-    the encoder's 294,912 visible tokens + cls -> 36,864 per rank at width 1664, heads of 104; the decoder's
-    147,456 per rank at width 512, heads of 32), bf16, the ring a W = 8 self-ring: forward + backward time and
+    the encoder's 294,912 visible tokens + cls -> 36,864 per rank at width 1664; the decoder's 147,456 per rank
+    at width 512; each at the config's heads: 13 and 4 of 128, where the H200 runs of docs/gpu_check/ had ViT-G's
+    own 16 of 104 and 16 of 32), bf16, the ring a W = 8 self-ring: forward + backward time and
     max_memory_allocated beside infra/plan.py's attention time at its kernel rates and its matmul time at the MFU
     assumption, and its memory terms; the output and input gradient against the same block on plain SDPA at the
     local shapes. Pass (GPU): within SDPA's bf16 tolerance, the planned time within a third of the measured one,

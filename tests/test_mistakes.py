@@ -300,7 +300,7 @@ BAD = {"out_dir": "", "data_paths": [], "sample_weighting": "often", "max_open_s
        "synthetic_chunks": (1, 1), "store_chunks": (128, 0, 128), "in_flight": 0, "read_threads": -1, "prefetch": 0,
        "min_live": 1.5,
        "read_retries": -1, "read_timeout_s": 0.0, "s3_endpoint": "localhost:9000", "crop": (16, 16), "patch": (0, 8, 8),
-       "model_size": "enormous", "mask_ratio": 1.0, "ckpt_blocks": -2, "task": "classify", "label_var": "",
+       "model_size": "enormous", "heads": 5, "dec_heads": -1, "mask_ratio": 1.0, "ckpt_blocks": -2, "task": "classify", "label_var": "",
        "classes": 1, "pos_weight": 0.0, "layer_decay": 1.5, "seg_head": "mlp", "seg_features": 0, "cp": 0,
        "cp_impl": "nccl", "mask_strata": -1,
        "max_steps": 0, "micro_batch": 0, "grad_accum": 0, "blr": 0.0, "min_lr": -1.0, "warmup_steps": -1,
