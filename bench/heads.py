@@ -84,12 +84,12 @@ def bench_heads(argv):
         for layout, heads in (("own", (h0, dh0)), ("wide", (h, dh))):
             m, sem = mean_se([x["val_loss"] for x in res[layout]])
             rows.append([size, layout, f"{heads[0]} x {dim // heads[0]}", f"{heads[1]} x {dec_dim // heads[1]}",
-                         f"{m:.4f} ± {sem:.4f}", f"{res[layout][0]['floor']:.4f}",
+                         f"{m:.4f} ± {sem:.4f}", f"{sum(x['floor'] for x in res[layout]) / len(seeds):.4f}",
                          f"{1000 * sum(x['s_per_step'] for x in res[layout]) / len(seeds):.0f}",
                          f"{d:+.4f} ± {se:.4f}" if layout == "wide" else ""])
         out[size] = {**res, "wide_minus_own": d, "se": se, "heads": {"own": [h0, dh0], "wide": [h, dh]}}
     print(f"the same widths, two head layouts, {len(seeds)} seeds each (paired: the same init, crops and masks), "
           f"{opts['max_steps']} steps of config/quickstart.py{' ' + ' '.join(rest) if rest else ''}:")
-    table(rows, ["size", "layout", "encoder heads", "decoder heads", "val loss (mean ± se)", "floor", "ms/step (whole run / steps)",
+    table(rows, ["size", "layout", "encoder heads", "decoder heads", "val loss (mean ± se)", "floor (mean)", "ms/step (whole run / steps)",
                  "wide − own (paired)"])
     return {"bench": "heads", "seeds": seeds, "max_steps": int(opts["max_steps"]), "overrides": rest, **out}
