@@ -17,7 +17,7 @@ import argparse
 import math
 
 import configurator
-from model import aligned_heads, build_model, head_counts
+from model import SIZES, aligned_heads, build_model, head_counts
 
 
 def table(rows, header):
@@ -459,19 +459,17 @@ def head_layouts(cfg, p):
     """The same plan at the config's heads and at the other layout of the same widths: the size's own heads
     (model.SIZES) where the config sets others, else heads of 128 (or 64) where the widths allow (model.aligned_heads).
     Returns rows of {layout, heads, dec_heads, head_dims, step_s, samples_per_s, mfu}: [] where no other layout exists."""
-    own = {"heads": 0, "dec_heads": 0}
-    m = build_model({**cfg, **own, "crop": cfg["patch"], "task": "mae"}, device="meta")
-    aligned = {"heads": aligned_heads(m.dim) or 0, "dec_heads": aligned_heads(m.dec_dim) or 0}
-    mine = dict(zip(("heads", "dec_heads"), head_counts(cfg)))
-    other = own if mine != dict(zip(("heads", "dec_heads"), head_counts({**cfg, **own}))) else aligned
-    if dict(zip(("heads", "dec_heads"), head_counts({**cfg, **other}))) == mine:
+    dim, _, h0, dec_dim, _, dh0 = SIZES[cfg["model_size"]]
+    mine = head_counts(cfg)
+    other = (h0, dh0) if mine != (h0, dh0) else (aligned_heads(dim) or h0, aligned_heads(dec_dim) or dh0)
+    if other == mine:
         return []
     rows = []
-    for layout, heads in (("config", mine), ("own" if other is own else "aligned", other)):
-        q = p if layout == "config" else plan({**cfg, **heads}, p["world"], p["gpu"], p["mfu"], p["gpus_per_node"])
-        rows.append({"layout": layout, **dict(zip(("heads", "dec_heads"), head_counts({**cfg, **heads}))),
-                     "head_dims": q["head_dims"], "step_s": q["step_s"], "samples_per_s": q["samples_per_s"],
-                     "mfu": achieved_mfu(q)})
+    for layout, (h, dh) in (("config", mine), ("own" if other == (h0, dh0) else "aligned", other)):
+        q = p if layout == "config" else plan({**cfg, "heads": h, "dec_heads": dh}, p["world"], p["gpu"], p["mfu"],
+                                              p["gpus_per_node"])
+        rows.append({"layout": layout, "heads": h, "dec_heads": dh, "head_dims": q["head_dims"], "step_s": q["step_s"],
+                     "samples_per_s": q["samples_per_s"], "mfu": achieved_mfu(q)})
     return rows
 
 
