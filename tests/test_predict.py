@@ -1,0 +1,250 @@
+"""scripts/predict.py: a fine-tuned segmenter over a whole survey. Blended windows where one window covers the survey
+are the model's own forward (and stay so cut into tiles); blended windows show no seam against that one-window
+answer, where plain tiling does; every voxel is written; dp 2 x cp 2, 2 dp ranks on tiles, a run stopped and
+restarted and a model given as its out_dir all write the same prediction; dead traces are no fault and marked; a
+variable added to an MDIO store leaves the store's own variables as they were, and multidimio opens it; bad model,
+survey and output settings are one error line each. And infra/sliding.py's arithmetic against brute force.
+
+The model: a fine-tuning run of 2 steps (train.py task="segment", UNETR head), exported, with its output layer scaled
+so that its probabilities span 0..1 (a model 2 steps old predicts ~0.45 everywhere, which would hide seams)."""
+import hashlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from conftest import ROOT, job_env, run_train, small_args
+from infra import sliding, synthetic
+
+SHAPE = (48, 32, 64)  # 16^3 chunks; the model's crop 16 x 16 x 32 in 8^3 patches
+DEAD = [(3, 7), (4, 7), (40, 30)]
+
+
+@pytest.mark.parametrize("S,c,overlap,blend", [(48, 16, 0.5, "gaussian"), (50, 16, 0.25, "cosine"),
+                                               (10, 16, 0.5, "constant"), (64, 32, 0.0, "gaussian")])
+def test_windows_cover_the_axis_and_the_weight_sum_is_a_product(S, c, overlap, blend):
+    stride = max(1, round(c * (1 - overlap)))
+    starts = sliding.window_starts(S, c, stride)
+    covered = np.zeros(S, int)
+    for o in starts:
+        covered[o:o + c] += 1
+        assert o >= 0 and (o + c <= S or starts == [0])  # inside the survey, or the one padded window
+    assert covered.min() >= 1  # every voxel in a window
+    w = sliding.axis_weights(c, blend)
+    assert w.min() > 0 and (blend == "constant" or w.argmax() in (c // 2 - 1, c // 2))
+    # the 3D sum of separable weights over a Cartesian grid of windows is the product of the 1D sums
+    shape, crop = (S, 12, 20), (c, 8, 8)
+    st3 = [starts, sliding.window_starts(12, 8, 4), sliding.window_starts(20, 8, 8)]
+    ws = [w, sliding.axis_weights(8, blend), sliding.axis_weights(8, blend)]
+    brute = np.zeros(shape)
+    for o in itertools.product(*st3):
+        box = tuple(slice(a, min(a + n, s)) for a, n, s in zip(o, crop, shape))
+        full = np.einsum("i,j,k->ijk", *ws)
+        brute[box] += full[tuple(slice(0, b.stop - b.start) for b in box)]
+    n = [sliding.normaliser(s, o, w_) for s, o, w_ in zip(shape, st3, ws)]
+    assert np.allclose(brute, np.einsum("i,j,k->ijk", *n), rtol=1e-12)
+
+
+def test_tiles_tile_the_survey_once_and_the_recompute_counts_the_windows_of_each():
+    shape, crop, tile = (50, 33, 70), (16, 16, 32), (32, 16, 64)
+    starts = [sliding.window_starts(S, c, c // 2) for S, c in zip(shape, crop)]
+    count, computed = np.zeros(shape, int), 0
+    for box in sliding.tiles(shape, tile):
+        count[tuple(slice(lo, hi) for lo, hi in box)] += 1
+        wins = list(itertools.product(*(sliding.touching(s, c, *b) for s, c, b in zip(starts, crop, box))))
+        for o in itertools.product(*starts):  # touching() misses no window that overlaps the tile
+            overlaps = all(a < hi and a + c > lo for a, c, (lo, hi) in zip(o, crop, box))
+            assert overlaps == (o in wins)
+        computed += len(wins)
+    assert (count == 1).all()
+    assert computed / np.prod([len(s) for s in starts]) == pytest.approx(sliding.recompute(shape, crop, starts, tile))
+
+
+# ----------------------------------------------------------------------------- the command, for real
+
+def run_predict(args, nproc=1):
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1
+           else [sys.executable]) + ["-m", "scripts.predict", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=600)
+
+
+def ok(r):
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def prob(path, name="probability"):
+    return np.asarray(zarr.open_group(path, mode="r")[name][:], dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def survey(tmp_path_factory):
+    """A FaultSeg3D-style survey with its fault labels and three dead traces, MDIO v1 in 16^3 chunks; a segmenter
+    fine-tuned on it for 2 steps (its out_dir) and a sharpened model file of it."""
+    root = tmp_path_factory.mktemp("predict")
+    vol, fault, _ = synthetic.faultseg_volume(SHAPE, seed=5)
+    for i, x in DEAD:
+        vol[i, x] = np.nan
+    store = synthetic.write_mdio(str(root / "survey.mdio"), vol, chunks=(16, 16, 16), fault=fault.astype(bool))
+    run = root / "seg"
+    r = run_train(small_args(store, run, task="segment", max_steps=2, eval_interval=100))
+    assert r.returncode == 0, r.stderr[-3000:]
+    from infra import modelfile, reader
+    from infra.features import prepare
+    path = modelfile.export(str(run))
+    model, _ = modelfile.load(path)
+    prepare(model, SHAPE)
+    with torch.no_grad():
+        logit = model.seg_logits(torch.from_numpy(reader.Volume(store).read((0, 0, 0), SHAPE))[None, None])[..., 0]
+    obj = torch.load(path, weights_only=True)
+    k = 2.0 / logit.std().item()  # logits of std 2 about 0: probabilities across 0..1
+    obj["model"]["head.out.weight"] *= k
+    obj["model"]["head.out.bias"] = k * (obj["model"]["head.out.bias"] - logit.mean().item())
+    sharp = str(root / "sharp.pt")
+    torch.save(obj, sharp)
+    return store, str(run), sharp, root, path
+
+
+slow = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves the command's runs out)
+
+
+@slow
+def test_one_window_is_the_model_itself_and_blended_windows_leave_no_seam(survey):
+    store, _, sharp, root, _ = survey
+    base = [sharp, store, "--dtype=float32"]
+    one = ok(run_predict(base + [f"--out={root / 'one.zarr'}", f"--crop={SHAPE}"]))
+    tiled = ok(run_predict(base + [f"--out={root / 'one_tiled.zarr'}", f"--crop={SHAPE}", "--tile=16,16,32"]))
+    assert one["windows"] == 1 and tiled["tiles"] == 12 and tiled["windows_computed"] == 12
+    # the one window's blended answer is the model's forward on the whole survey (weights divide out), in tiles too
+    from infra import modelfile, reader
+    from infra.features import prepare
+    model, _ = modelfile.load(sharp)
+    prepare(model, SHAPE)
+    vol = reader.Volume(store)
+    with torch.no_grad():
+        p = torch.sigmoid(model.seg_logits(torch.from_numpy(vol.read((0, 0, 0), SHAPE))[None, None])[..., 0])
+    from model import unpatchify
+    ref = unpatchify(p, model.patch, model.grid)[0, 0].numpy()
+    for i, x in DEAD:
+        ref[i, x] = 0  # dead traces: no fault
+    ref_one = prob(root / "one.zarr")
+    assert np.abs(ref_one - ref).max() <= 1e-5 and np.abs(prob(root / "one_tiled.zarr") - ref).max() <= 1e-5
+    assert ref.std() > 0.2  # (a prediction with structure: seams would show)
+    # windows of the model's crop (16 x 16 x 32), half overlapping, gaussian: no seam. Against the one-window answer,
+    # the voxels next to a window's edge differ no more than the voxels inside windows; plain tiling (no overlap,
+    # constant weights) differs ten times more at its edges: the seams blending removes
+
+    def border_and_inside(p, stride):
+        m = []
+        for S, c, s in zip(SHAPE, (16, 16, 32), stride):
+            edge = np.zeros(S, bool)
+            for o in sliding.window_starts(S, c, s):
+                for b in (o, o + c):
+                    if 0 < b < S:
+                        edge[b - 1:b + 1] = True
+            m.append(edge)
+        border = m[0][:, None, None] | m[1][None, :, None] | m[2][None, None, :]
+        d = np.abs(p - ref_one)
+        return d[border].mean(), d[~border].mean()
+    blended = ok(run_predict(base + [f"--out={root / 'blend.zarr'}"]))
+    assert blended["windows"] == 45 and blended["stride"] == [8, 8, 16]
+    b, i = border_and_inside(prob(root / "blend.zarr"), (8, 8, 16))
+    assert b <= 1.2 * i, (b, i)
+    ok(run_predict(base + [f"--out={root / 'tiling.zarr'}", "--overlap=0", "--blend=constant"]))
+    b, i = border_and_inside(prob(root / "tiling.zarr"), (16, 16, 32))
+    assert b > 3 * i, (b, i)
+
+
+@slow
+def test_every_layout_and_a_restart_write_the_same_prediction(survey):
+    store, run, sharp, root, exported = survey
+    base = [sharp, store, "--dtype=float32", "--tile=16,16,32"]  # 12 tiles, each window computed for every tile
+    ref_info = ok(run_predict(base + [f"--out={root / 'ref.zarr'}", "--batch=3"]))
+    ref = prob(root / "ref.zarr")
+    assert ref_info["recompute"] > 1 and ref_info["voxels"] == np.prod(SHAPE)
+    dead = np.asarray(zarr.open_group(root / "ref.zarr", mode="r")["dead_traces"][:])
+    assert sorted(map(tuple, np.argwhere(dead).tolist())) == DEAD and (ref[dead.astype(bool)] == 0).all()
+    assert (ref[~dead.astype(bool)] > 0).all() and np.isfinite(ref).all()  # every live voxel written
+    ok(run_predict(base + [f"--out={root / 'dp2cp2.zarr'}", "--cp=2"], nproc=4))
+    ok(run_predict(base + [f"--out={root / 'dp2.zarr'}"], nproc=2))
+    r = run_predict(base + [f"--out={root / 'restart.zarr'}", "--stop_after=5"])
+    assert r.returncode == 75, r.stderr[-2000:]
+    part = root / "restart.zarr.partial"
+    marks = sorted(os.listdir(part / "predict_done"))
+    assert len(marks) == 5
+    os.remove(part / "predict_done" / marks[-1])  # killed after writing a tile, before marking it: it is redone
+    again = ok(run_predict(base + [f"--out={root / 'restart.zarr'}"]))
+    assert again["voxels"] == np.prod(SHAPE) - 4 * 16 * 16 * 32  # the 4 tiles marked were skipped
+    for name in ("dp2cp2", "dp2", "restart"):
+        assert np.abs(prob(root / f"{name}.zarr") - ref).max() <= 1e-5, name
+    assert not os.path.exists(part) and not os.path.exists(root / "restart.zarr" / "predict_done")
+    again = ok(run_predict(base + [f"--out={root / 'restart.zarr'}"]))
+    assert again["already_complete"]
+    # the same model given as its run's out_dir: the same prediction as its model file (uint8, the default)
+    ok(run_predict([run, store, f"--out={root / 'run.zarr'}", "--score=fault"]))
+    info = ok(run_predict([exported, store, f"--out={root / 'file.zarr'}", "--score=fault"]))
+    a, b = (np.asarray(zarr.open_group(root / f"{n}.zarr", mode="r")["probability"][:]) for n in ("run", "file"))
+    assert a.dtype == np.uint8 and (a == b).all() and 0 <= info["iou"] <= 1
+    assert zarr.open_group(root / "file.zarr", mode="r")["probability"].attrs["scale_factor"] == pytest.approx(1 / 255)
+
+
+@slow
+def test_a_variable_joins_an_mdio_store_and_leaves_its_own_as_they_were(survey, tmp_path):
+    _, _, sharp, _, _ = survey
+    # a store the official multidimio wrote from real SEG-Y (the F3 crop: 23 x 18 x 75, one chunk)
+    mine = str(tmp_path / "f3.mdio")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "mdio_ingest.py"),
+                        os.path.join(ROOT, "..", "shared", "data", "f3.sgy"), mine], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    def digest(path, skip):
+        h = hashlib.sha256()
+        for d, _, files in sorted(os.walk(path)):
+            if os.path.relpath(d, path).split(os.sep)[0].startswith(skip):
+                continue
+            for f in sorted(files):
+                h.update(os.path.join(os.path.relpath(d, path), f).encode() + open(os.path.join(d, f), "rb").read())
+        return h.hexdigest()
+    before = digest(mine, "fault_probability")
+    info = ok(run_predict([sharp, mine, f"--out={mine}", "--variable=fault_probability", "--dtype=float32"]))
+    assert info["windows"] == 2 * 2 * 4  # 23 x 18 x 75 in windows of 16 x 16 x 32 (origins 0, 7 | 0, 2 | 0, 16, 32, 43)
+    ok(run_predict([sharp, mine, f"--out={tmp_path / 'own.zarr'}", "--dtype=float32"]))
+    assert digest(mine, "fault_probability") == before  # every byte of the store but the new variables as it was
+    g = zarr.open_group(mine, mode="r")
+    assert np.abs(np.asarray(g["fault_probability"][:]) - prob(tmp_path / "own.zarr")).max() <= 1e-6
+    assert "fault_probability_predict_done" not in os.listdir(mine)
+    import mdio
+    ds = mdio.open_mdio(mine)
+    assert ds["fault_probability"].dims == ds["amplitude"].dims and ds["fault_probability"].shape == (23, 18, 75)
+    for name, says in (("amplitude", "not the amplitude's"), ("headers", "predict did not write")):
+        r = run_predict([sharp, mine, f"--out={mine}", f"--variable={name}"])
+        assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1], r.stderr[-1000:]
+
+
+@slow
+def test_bad_model_survey_and_output_are_one_error_line_each(survey, tmp_path):
+    store, run, sharp, root, exported = survey
+    mae_run = tmp_path / "mae"
+    assert run_train(small_args(store, mae_run, max_steps=1, eval_interval=100)).returncode == 0
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a model")
+    os.makedirs(tmp_path / "folder" / "x")
+    ok(run_predict([sharp, store, f"--out={tmp_path / 'p.zarr'}"]))
+    cases = [([str(mae_run), store, f"--out={tmp_path / 'a.zarr'}"], "pretrained MAE"),
+             ([str(junk), store, f"--out={tmp_path / 'b.zarr'}"], "not a seismic-mae model file"),
+             ([sharp, str(tmp_path / "nothing.mdio"), f"--out={tmp_path / 'c.zarr'}"], "nothing.mdio"),
+             ([sharp, store, f"--out={tmp_path / 'p.zarr'}", "--overlap=0.25"], "--overwrite"),
+             ([sharp, store, f"--out={tmp_path / 'folder'}"], "never writes over"),
+             ([sharp, store, f"--out={tmp_path / 'd.zarr'}", "--tile=10,16,16"], "multiple of the output's chunks"),
+             ([sharp, store, f"--out={tmp_path / 'e.zarr'}", "--score=horizon"], "no label variable")]
+    for args, says in cases:
+        r = run_predict(args)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode != 0 and last.startswith("error:") and says in last, (args, r.stderr[-1500:])
+    assert zarr.open_group(tmp_path / "p.zarr", mode="r")["probability"].attrs["predict"]["overlap"] == 0.5
