@@ -10,11 +10,12 @@ The measured numbers. Each subcommand prints a table, then one JSON line as the 
     python -m bench library [--stores=(100,1000)]                  start-up and memory per rank vs library size
     python -m bench plan CONFIG [--key=value ...]                  the planner, checked against measurement here
     python -m bench heads [--sizes=tiny,small] [--seeds=3]         few wide heads vs many narrow: validation loss
+    python -m bench predict [--cases=quickstart,large]             scripts/predict.py's voxels/s vs the forward alone
     python -m bench.gpu                                            every GPU check (bash bench/gpu_check.sh runs it)
 
 Speed is shown here, side by side in one run, never asserted in tests: the machine is noisy, ratios
 measured together are what carry over. Where each lives: step.py (the training path), data.py (the reader
-and the library), plan.py (the planner's checks), heads.py (head layouts' accuracy), gpu.py with gpu_attention.py and gpu_training.py (the
+and the library), plan.py (the planner's checks), heads.py (head layouts' accuracy), predict.py (survey prediction), gpu.py with gpu_attention.py and gpu_training.py (the
 GPU check), s3_loopback.py (a real S3 endpoint on loopback, shared with the tests).
 """
 import json
@@ -23,13 +24,14 @@ import sys
 from bench.data import bench_data, bench_library
 from bench.heads import bench_heads
 from bench.plan import bench_plan
+from bench.predict import bench_predict
 from bench.step import bench_attention, bench_bf16, bench_embed, bench_step, bench_strategies
 from configurator import ConfigError
 from infra import cli
 
 CMDS = {"step": bench_step, "attention": bench_attention, "strategies": bench_strategies, "bf16": bench_bf16,
         "embed": bench_embed, "data": bench_data, "library": bench_library, "plan": bench_plan,
-        "heads": bench_heads}
+        "heads": bench_heads, "predict": bench_predict}
 
 
 def main(argv):

@@ -65,6 +65,21 @@ def triple(text, what, least=1):
     return v
 
 
+def add_read_arguments(ap):
+    """A command's options for how it reads stores (argparse): --s3_anon, --s3_endpoint, --read_timeout_s,
+    --read_retries; read_options(args) turns them into ReadOptions."""
+    ap.add_argument("--s3_anon", action="store_true", help="read s3:// without credentials (public buckets)")
+    ap.add_argument("--s3_endpoint", default="", help="an S3-compatible endpoint URL")
+    ap.add_argument("--read_timeout_s", type=float, default=30.0, help="a request not answered by then is retried")
+    ap.add_argument("--read_retries", type=int, default=6, help="retries of a failing request, then an error")
+
+
+def read_options(a):
+    from infra.reader import ReadOptions
+    return ReadOptions(anon=a.s3_anon, endpoint_url=a.s3_endpoint or None, retries=a.read_retries,
+                       timeout_s=a.read_timeout_s)
+
+
 def note_error(line):
     """One line appended to launch.sh's MAE_ERROR_FILE (O_APPEND: the ranks' lines do not interleave)."""
     path = os.environ.get("MAE_ERROR_FILE")

@@ -215,6 +215,30 @@ def replacing(path):
     fsync_dir(folder)  # the rename itself
 
 
+def move_into_place(work, out):
+    """A store built at `work` (OUT.partial) renamed to `out`, over the store of other settings that --overwrite
+    replaces (moved aside first, removed after): `out` is the old store or the new one, never a part of either."""
+    import shutil
+    aside = None
+    if os.path.lexists(out):
+        aside = f"{out.rstrip('/')}.replaced{os.getpid()}"
+        os.replace(out, aside)
+    os.replace(work, out)
+    fsync_dir(os.path.dirname(os.path.abspath(out)))
+    if aside:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def nothing_at(path, storage_options=None):
+    """True when a store's path holds nothing to protect: it does not exist (local or object store) or is an empty
+    folder."""
+    if is_remote(path):
+        import fsspec
+        fs, p = fsspec.url_to_fs(path, **(storage_options or {}))
+        return not fs.exists(p)
+    return not os.path.lexists(path) or (os.path.isdir(path) and not os.listdir(path))
+
+
 PNG_KEY = "seismic-mae"  # the text chunk a figure's record is kept in
 
 

@@ -93,10 +93,7 @@ def parse(argv):
     ap.add_argument("--dtype", default="float16", choices=("float16", "float32"), help="of the stored features")
     ap.add_argument("--picture", default="", help="the principal-component picture (default: OUT.png beside a "
                     "local OUT; NAME.png in the current folder for an s3:// OUT)")
-    ap.add_argument("--s3_anon", action="store_true")
-    ap.add_argument("--s3_endpoint", default="")
-    ap.add_argument("--read_timeout_s", type=float, default=30.0, help="a request not answered by then is retried")
-    ap.add_argument("--read_retries", type=int, default=6, help="retries of a failing request, then an error")
+    cli.add_read_arguments(ap)
     ap.add_argument("--overwrite", action="store_true",
                     help="replace features this command made with another model, survey or settings")
     ap.add_argument("--stop_after", type=int, default=0, help=argparse.SUPPRESS)  # tests: stop after N windows
@@ -122,8 +119,7 @@ def main(argv):
     w = token_grid(crop, patch)  # window in tokens
     if w[0] % cp:
         raise configurator.ConfigError(f"the window's {w[0]} inline tokens do not split over --cp={cp}")
-    opts = reader.ReadOptions(anon=a.s3_anon, endpoint_url=a.s3_endpoint or None, retries=a.read_retries,
-                              timeout_s=a.read_timeout_s)
+    opts = cli.read_options(a)
     vol = reader.Volume(a.store, opts)
     grid = token_grid(vol.shape, patch)
     wins = plan_windows(grid, w, token_grid(stride, patch))
@@ -230,12 +226,7 @@ def recorded(path, so):
     """What is at the features store `path`: None (nothing, or an empty folder), embed's record of it (its settings and
     whether it is complete: the root's "embed" attribute), or outputs.Foreign."""
     import zarr
-    if outputs.is_remote(path):
-        import fsspec
-        fs, p = fsspec.url_to_fs(path, **so)
-        if not fs.exists(p):
-            return None
-    elif not os.path.lexists(path) or (os.path.isdir(path) and not os.listdir(path)):
+    if outputs.nothing_at(path, so):
         return None
     try:
         rec = zarr.open_group(path, mode="r", storage_options=so).attrs.get("embed")
@@ -303,21 +294,11 @@ def create(work, settings, vol, grid, patch, so, opts):
 
 def finish(out, work, settings, so):
     """Rank 0, every window written: the store marked complete, and (local) OUT.partial renamed to OUT, over the
-    store of other settings that --overwrite replaces (moved aside first, removed after)."""
-    import shutil
-
+    store of other settings that --overwrite replaces (outputs.move_into_place)."""
     import zarr
     zarr.open_group(work, mode="r+", storage_options=so).attrs["embed"] = {**settings, "complete": True}
-    if work == out:
-        return
-    aside = None
-    if os.path.lexists(out):
-        aside = f"{out.rstrip('/')}.replaced{os.getpid()}"
-        os.replace(out, aside)
-    os.replace(work, out)
-    outputs.fsync_dir(os.path.dirname(os.path.abspath(out)))
-    if aside:
-        shutil.rmtree(aside, ignore_errors=True)
+    if work != out:
+        outputs.move_into_place(work, out)
 
 
 if __name__ == "__main__":

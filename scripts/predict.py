@@ -82,10 +82,7 @@ def parse(argv):
                     "Dice against it in the JSON line")
     ap.add_argument("--score_inlines", default="", help="LO:HI, the inline indices scored (default: all), e.g. the "
                     "inlines fine-tuning held out")
-    ap.add_argument("--s3_anon", action="store_true")
-    ap.add_argument("--s3_endpoint", default="")
-    ap.add_argument("--read_timeout_s", type=float, default=30.0, help="a request not answered by then is retried")
-    ap.add_argument("--read_retries", type=int, default=6, help="retries of a failing request, then an error")
+    cli.add_read_arguments(ap)
     ap.add_argument("--overwrite", action="store_true",
                     help="replace a prediction this command made with another model, survey or settings")
     ap.add_argument("--stop_after", type=int, default=0, help=argparse.SUPPRESS)  # tests: stop after N tiles
@@ -126,8 +123,7 @@ def main(argv):
         raise configurator.ConfigError(f"--crop {crop} must be a multiple of the model's patch {patch}")
     if token_grid(crop, patch)[0] % cp:
         raise configurator.ConfigError(f"the window's {crop[0] // patch[0]} inline tokens do not split over --cp={cp}")
-    opts = reader.ReadOptions(anon=a.s3_anon, endpoint_url=a.s3_endpoint or None, retries=a.read_retries,
-                              timeout_s=a.read_timeout_s)
+    opts = cli.read_options(a)
     vol = reader.Volume(a.survey, opts)
     shape = vol.shape
     chunks = tuple(min(c, s) for c, s in zip(vol.chunks, shape))
@@ -275,8 +271,9 @@ def write_tile(acc, box, norm, vol, out_arr, zero_arr, tile, dtype, classes):
     are dead, into the output (whole chunks: the tile is a box of them); its traces that are all zero (or NaN) in
     it into zero_arr's row of its time tile."""
     sl = tuple(slice(lo, hi) for lo, hi in box)
-    n = np.einsum("i,j,k->ijk", *(w[s] for w, s in zip(norm, sl)))
-    p = acc.cpu().numpy().astype(np.float64) / n  # (C', I_t, X_t, T_t)
+    p = acc.cpu().numpy()  # (C', I_t, X_t, T_t) fp32, divided in place by N0(i) N1(x) N2(t): no tile of weights
+    for axis, (w, s) in enumerate(zip(norm, sl)):
+        p /= w[s].astype(np.float32).reshape([-1 if k == axis + 1 else 1 for k in range(4)])
     raw = vol.read(tuple(lo for lo, _ in box), tuple(hi - lo for lo, hi in box), normalize=False)
     zero = np.all((raw == 0) | np.isnan(raw), axis=2)  # (I_t, X_t)
     dead = zero if vol.trace_mask is None else zero | ~vol.trace_mask[sl[0], sl[1]]
@@ -317,12 +314,7 @@ def recorded(path, names, so):
     complete), or outputs.Foreign. With --variable: what the variable holds (None when the store has no such
     variable); a store that is not MDIO v1 is an error of its own."""
     import zarr
-    if outputs.is_remote(path):
-        import fsspec
-        fs, p = fsspec.url_to_fs(path, **so)
-        if not fs.exists(p):
-            return None
-    elif not os.path.lexists(path) or (os.path.isdir(path) and not os.listdir(path)):
+    if outputs.nothing_at(path, so):
         return None
     try:
         root = zarr.open_group(path, mode="r", storage_options=so)
@@ -435,9 +427,7 @@ def create(work, names, settings, vol, so, opts):
 def finish(a, names, work, settings, so, vol):
     """Rank 0, every tile written: dead_traces (the trace mask's dead, and the traces zero in every time tile), the
     per-tile scratch and markers removed, the record marked complete, and (local) OUT.partial renamed to OUT, over
-    the store of other settings that --overwrite replaces (moved aside first, removed after)."""
-    import shutil
-
+    the store of other settings that --overwrite replaces (outputs.move_into_place)."""
     import fsspec
     import zarr
     root = zarr.open_group(work, mode="r+", storage_options=so)
@@ -454,16 +444,8 @@ def finish(a, names, work, settings, so, vol):
         root.attrs["predict"] = root[names.prob].attrs["predict"]
     elif root.metadata.consolidated_metadata is not None:  # a store whose readers trust its list of members
         zarr.consolidate_metadata(work, storage_options=so)  # (otherwise its zarr.json is left as it was)
-    if work == a.out:
-        return
-    aside = None
-    if os.path.lexists(a.out):
-        aside = f"{a.out.rstrip('/')}.replaced{os.getpid()}"
-        os.replace(a.out, aside)
-    os.replace(work, a.out)
-    outputs.fsync_dir(os.path.dirname(os.path.abspath(a.out)))
-    if aside:
-        shutil.rmtree(aside, ignore_errors=True)
+    if work != a.out:
+        outputs.move_into_place(work, a.out)
 
 
 def picture(vol, root, names, classes, title):

@@ -136,6 +136,10 @@ def test_one_window_is_the_model_itself_and_blended_windows_leave_no_seam(survey
     ref_one = prob(root / "one.zarr")
     assert np.abs(ref_one - ref).max() <= 1e-5 and np.abs(prob(root / "one_tiled.zarr") - ref).max() <= 1e-5
     assert ref.std() > 0.2  # (a prediction with structure: seams would show)
+    # a window longer than the survey's inline axis: zeros beyond it, every voxel still predicted
+    padded = ok(run_predict(base + [f"--out={root / 'padded.zarr'}", "--crop=64,32,64"]))
+    live = ~np.isin(np.arange(SHAPE[0] * SHAPE[1]), [i * SHAPE[1] + x for i, x in DEAD]).reshape(SHAPE[:2])
+    assert padded["windows"] == 1 and (prob(root / "padded.zarr")[live] > 0).all()
     # windows of the model's crop (16 x 16 x 32), half overlapping, gaussian: no seam. Against the one-window answer,
     # the voxels next to a window's edge differ no more than the voxels inside windows; plain tiling (no overlap,
     # constant weights) differs ten times more at its edges: the seams blending removes
