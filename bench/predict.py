@@ -100,7 +100,7 @@ def bench_predict(argv):
             r = subprocess.run([sys.executable, "-m", "scripts.predict", path, store, f"--out={d}/{name}.zarr"],
                                cwd=HERE, env=env, capture_output=True, text=True)
             if r.returncode != 0:
-                raise SystemExit(f"scripts.predict failed: {r.stderr[-2000:]}")
+                raise SystemExit(f"scripts.predict failed (exit {r.returncode}): {r.stderr[-2000:]}")
             p = json.loads(r.stdout.strip().splitlines()[-1])
             f = forward_seconds(path, crop, p["windows_computed"], p["batch"], device)
             voxels = math.prod(shape)

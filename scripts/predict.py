@@ -56,6 +56,7 @@ from infra.progress import Progress
 from model import token_grid, unpatchify
 
 TILE_VOXELS = 2 ** 27  # the default tile's bound (voxels): its sums are 4 bytes per voxel and class, on the device
+BATCH_VOXELS = 2 ** 22  # and the default batch's: the UNETR head holds seg_features (16) channels per voxel, and more
 
 
 def parse(argv):
@@ -75,7 +76,8 @@ def parse(argv):
                     help="of the stored probabilities (uint8: p = value / 255)")
     ap.add_argument("--cp", type=int, default=1, help="ranks per window (ring attention), as in training")
     ap.add_argument("--batch", type=int, default=0,
-                    help=f"windows per forward pass (default: as many as hold {BATCH_TOKENS:,} tokens per rank)")
+                    help=f"windows per forward pass (default: as many as hold {BATCH_TOKENS:,} tokens and "
+                         f"{BATCH_VOXELS:,} voxels per rank, at least 1)")
     ap.add_argument("--picture", default="", help="the figure (default: OUT.png beside a local OUT, "
                     "OUT.VARIABLE.png with --variable; NAME.png in the current folder for an s3:// OUT)")
     ap.add_argument("--score", default="", help="a label variable of the survey (e.g. fault): the prediction's IoU and "
@@ -190,7 +192,7 @@ def main(argv):
         todo = todo[:a.stop_after]
     slab = crop[0] // cp  # this rank's inline voxels of each window
     g_loc = (slab // patch[0],) + token_grid(crop, patch)[1:]
-    batch = a.batch or max(1, BATCH_TOKENS // math.prod(g_loc))
+    batch = a.batch or max(1, min(BATCH_TOKENS // math.prod(g_loc), BATCH_VOXELS // (slab * crop[1] * crop[2])))
     w1 = [sliding.axis_weights(c, a.blend, a.sigma) for c in crop]
     norm = [sliding.normaliser(S, s, w) for S, s, w in zip(shape, starts, w1)]
     w3 = torch.from_numpy(np.einsum("i,j,k->ijk", w1[0][cp_rank * slab:(cp_rank + 1) * slab], w1[1], w1[2])).float()

@@ -252,3 +252,26 @@ def test_bad_model_survey_and_output_are_one_error_line_each(survey, tmp_path):
         last = r.stderr.strip().splitlines()[-1]
         assert r.returncode != 0 and last.startswith("error:") and says in last, (args, r.stderr[-1500:])
     assert zarr.open_group(tmp_path / "p.zarr", mode="r")["probability"].attrs["predict"]["overlap"] == 0.5
+
+
+@slow
+def test_a_survey_on_s3_predicted_into_s3_and_resumed_there(survey, s3, small_store, tmp_path):
+    """s3:// in and out (a real S3 endpoint on loopback), 2 dp ranks, stopped after 2 tiles each and restarted (the
+    markers are S3 objects, listed once; the record says complete: false until the end): the local prediction."""
+    _, _, sharp, _, _ = survey
+    base = [sharp, "--dtype=float32", "--tile=16,16,32"]
+    ok(run_predict([base[0], small_store, f"--out={tmp_path / 'local.zarr'}", *base[1:]]))
+    remote, so = "s3://bkt/faults.zarr", {"client_kwargs": {"endpoint_url": s3.endpoint}}
+    args = [base[0], s3.url, f"--out={remote}", *base[1:], f"--s3_endpoint={s3.endpoint}",
+            f"--picture={tmp_path / 'faults.png'}"]
+    r = run_predict(args + ["--stop_after=2"], nproc=2)
+    assert r.returncode != 0 and r.stdout.count("stopped after 2 tiles") == 2, r.stderr[-3000:]  # (torchrun: 75 -> 1)
+    keys = s3.client().list_objects_v2(Bucket="bkt", Prefix="faults.zarr/predict_done/")["Contents"]
+    assert len(keys) == 4 and not zarr.open_group(remote, mode="r", storage_options=so).attrs["predict"]["complete"]
+    info = ok(run_predict(args, nproc=2))
+    assert info["voxels"] == np.prod(SHAPE) - 4 * 16 * 16 * 32
+    g = zarr.open_group(remote, mode="r", storage_options=so)
+    assert g.attrs["predict"]["complete"] and "Contents" not in s3.client().list_objects_v2(
+        Bucket="bkt", Prefix="faults.zarr/predict_done/")  # (the markers go when the prediction is complete)
+    assert np.abs(np.asarray(g["probability"][:]) - prob(tmp_path / "local.zarr")).max() <= 1e-5
+    assert (tmp_path / "faults.png").stat().st_size > 10_000
