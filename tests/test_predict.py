@@ -246,7 +246,9 @@ def test_bad_model_survey_and_output_are_one_error_line_each(survey, tmp_path):
              ([sharp, store, f"--out={tmp_path / 'p.zarr'}", "--overlap=0.25"], "--overwrite"),
              ([sharp, store, f"--out={tmp_path / 'folder'}"], "never writes over"),
              ([sharp, store, f"--out={tmp_path / 'd.zarr'}", "--tile=10,16,16"], "multiple of the output's chunks"),
-             ([sharp, store, f"--out={tmp_path / 'e.zarr'}", "--score=horizon"], "no label variable")]
+             ([sharp, store, f"--out={tmp_path / 'e.zarr'}", "--score=horizon"], "no label variable"),
+             ([sharp, store, f"--out={tmp_path / 'f.zarr'}", "--overlap=1"], "--overlap=1"),
+             ([sharp, store, f"--out={tmp_path / 'g.zarr'}", "--crop=12,16,32"], "multiple of the model's patch")]
     for args, says in cases:
         r = run_predict(args)
         last = r.stderr.strip().splitlines()[-1]
@@ -275,3 +277,21 @@ def test_a_survey_on_s3_predicted_into_s3_and_resumed_there(survey, s3, small_st
         Bucket="bkt", Prefix="faults.zarr/predict_done/")  # (the markers go when the prediction is complete)
     assert np.abs(np.asarray(g["probability"][:]) - prob(tmp_path / "local.zarr")).max() <= 1e-5
     assert (tmp_path / "faults.png").stat().st_size > 10_000
+
+
+@slow
+def test_traces_of_zeros_in_a_plain_array_are_dead_and_no_fault(survey, tmp_path):
+    """A plain Zarr array has no trace mask: a trace whose amplitudes are all zero is dead, predicted as no fault
+    and marked."""
+    store, _, sharp, _, _ = survey
+    from infra import reader
+    vol = reader.Volume(store).read((0, 0, 0), SHAPE, normalize=False)
+    vol = np.nan_to_num(vol)  # the dead traces' NaN -> 0
+    vol[10, 20] = 0.0
+    arr = zarr.create_array(str(tmp_path / "plain.zarr"), shape=SHAPE, chunks=(16, 16, 16), dtype="float32")
+    arr[:] = vol
+    ok(run_predict([sharp, str(tmp_path / "plain.zarr"), f"--out={tmp_path / 'p.zarr'}", "--dtype=float32"]))
+    dead = np.asarray(zarr.open_group(tmp_path / "p.zarr", mode="r")["dead_traces"][:]).astype(bool)
+    p = prob(tmp_path / "p.zarr")
+    assert sorted(map(tuple, np.argwhere(dead).tolist())) == sorted(DEAD + [(10, 20)])
+    assert (p[dead] == 0).all() and (p[~dead] > 0).all()
