@@ -71,6 +71,23 @@ def prepare(model, crop, cp=1):
     return w
 
 
+def window_model(path, checkpoint, crop, cp, cp_group, device):
+    """The model of a command that runs windows on dp x cp ranks (embed, predict): a model file, or a run's out_dir
+    whose `checkpoint` (the one the command checked: a run may write newer ones) rank 0 exports once; set up for
+    windows of `crop` split over the cp group, on `device`, in eval mode."""
+    import os
+
+    from infra import distributed, modelfile
+    if os.path.isdir(path):
+        tag = os.path.basename(checkpoint)
+        path = distributed.on_rank_0(lambda: modelfile.export(path, tag=tag))
+    model, _ = modelfile.load(path, map_location="cpu")
+    prepare(model, crop, cp)
+    model.to(device).eval()
+    model.set_context_parallel(cp_group, "ring")
+    return model
+
+
 def features_of(model, vol, crop, stride):
     """The features of a whole normalised volume (numpy, (I, X, T) voxels) in this one process: (I/pz, X/py, T/px,
     D), each token from the window in which it is most central (what scripts/embed.py writes, without a store)."""

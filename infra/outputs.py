@@ -239,6 +239,31 @@ def nothing_at(path, storage_options=None):
     return not os.path.lexists(path) or (os.path.isdir(path) and not os.listdir(path))
 
 
+class Markers:
+    """The pieces of a long output already written (embed's windows, predict's tiles): one small object per piece
+    under `prefix` of a Zarr store (local or s3://), so that a restart skips them. Listed once, at the start (one LIST
+    on S3, not a request per piece): the ranks that share a piece must all list before any of them can mark one."""
+
+    def __init__(self, store, prefix):
+        from zarr.core.sync import sync
+        self.store, self.prefix = store, prefix
+
+        async def listed():
+            return {k async for k in store.list_prefix(prefix)}
+        self.done = sync(listed())
+
+    def key(self, idx):
+        return self.prefix + ".".join(map(str, idx))
+
+    def __contains__(self, idx):
+        return self.key(idx) in self.done
+
+    def mark(self, idx):
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+        sync(self.store.set(self.key(idx), default_buffer_prototype().buffer.from_bytes(b"1")))
+
+
 PNG_KEY = "seismic-mae"  # the text chunk a figure's record is kept in
 
 

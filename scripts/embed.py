@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 import configurator
 from infra import cli, distributed, modelfile, outputs, reader
-from infra.features import BATCH_TOKENS, encode, plan_windows, prepare, token_coords
+from infra.features import BATCH_TOKENS, encode, plan_windows, token_coords, window_model
 from infra.progress import Progress
 from model import build_model, token_grid
 
@@ -141,32 +141,15 @@ def main(argv):
         dist.destroy_process_group()
         return 0
     # ---- the encoder
-    path = a.model
-    if os.path.isdir(path):  # a run's out_dir: its newest checkpoint as one model file, by rank 0
-        tag = os.path.basename(settings["model"]["checkpoint"])  # (the one checked: a run may write newer ones)
-        path = distributed.on_rank_0(lambda: modelfile.export(a.model, tag=tag))
-    model, meta = modelfile.load(path, map_location="cpu")
-    prepare(model, crop, cp)
-    model.to(device).eval()
-    model.set_context_parallel(cp_group, "ring")
+    model = window_model(a.model, settings["model"]["checkpoint"], crop, cp, cp_group, device)
     import zarr
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
     root = zarr.open_group(work, mode="r+", storage_options=so)
-    feats, store = root["features"], root.store
-    proto = default_buffer_prototype()
-
-    def marker(idx):
-        return "embed_done/" + ".".join(map(str, idx))
-
-    # the windows of this rank's dp group that no earlier run finished: one listing of the markers (one LIST on S3,
-    # not a request per window). The ranks of a cp group list before any of them can write a marker (a marker
-    # follows a ring step that needs them all), so they agree on the list.
-    async def listed():
-        return {k async for k in store.list_prefix("embed_done/")}
-    done = sync(listed())
-    left = sum(marker(x[0]) not in done for x in wins)  # the survey's windows still to do, every group's
-    todo = [x for x in wins if x[0][0] % dp == dp_rank and marker(x[0]) not in done]
+    feats = root["features"]
+    # the windows of this rank's dp group that no earlier run finished (the ranks of a cp group list before any of
+    # them can write a marker: a marker follows a ring step that needs them all)
+    done = outputs.Markers(root.store, "embed_done/")
+    left = sum(x[0] not in done for x in wins)  # the survey's windows still to do, every group's
+    todo = [x for x in wins if x[0][0] % dp == dp_rank and x[0] not in done]
     mine = len(todo)
     if a.stop_after:
         todo = todo[:a.stop_after]
@@ -199,7 +182,7 @@ def main(argv):
                 dist.barrier(group=cp_group)  # every slab of these windows written before they are marked
             if cp_rank == 0:
                 for idx, _, _ in part:
-                    sync(store.set(marker(idx), proto.buffer.from_bytes(b"1")))
+                    done.mark(idx)
             now = round((k + len(part)) / mine * left)
             bar.update(now - counted)
             counted = now

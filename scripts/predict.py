@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 import configurator
 from infra import cli, distributed, modelfile, outputs, reader, sliding
-from infra.features import BATCH_TOKENS, prepare, token_coords
+from infra.features import BATCH_TOKENS, token_coords, window_model
 from infra.progress import Progress
 from model import token_grid, unpatchify
 
@@ -165,28 +165,14 @@ def main(argv):
         dist.destroy_process_group()
         return 0
     # ---- the segmenter
-    path = a.model
-    if os.path.isdir(path):  # a run's out_dir: its newest checkpoint as one model file, by rank 0
-        tag = os.path.basename(settings["model"]["checkpoint"])
-        path = distributed.on_rank_0(lambda: modelfile.export(a.model, tag=tag))
-    model, _ = modelfile.load(path, map_location="cpu")
-    prepare(model, crop, cp)
-    model.to(device).eval()
-    model.set_context_parallel(cp_group, "ring")
+    model = window_model(a.model, settings["model"]["checkpoint"], crop, cp, cp_group, device)
     import zarr
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
     root = zarr.open_group(work, mode="r+", storage_options=so)
-    store, proto = root.store, default_buffer_prototype()
-
-    async def listed():  # one listing of the markers (one LIST on S3). The ranks of a cp group list before any of
-        return {k async for k in store.list_prefix(names.done)}  # them can mark a tile (that follows a collective)
-    done = sync(listed())
-
-    def marker(i):
-        return names.done + ".".join(map(str, i))
+    # the tiles written before (the ranks of a cp group list before any of them can mark one: that follows the
+    # all-reduce of its sums)
+    done = outputs.Markers(root.store, names.done)
     index = [tuple(lo // t for (lo, _), t in zip(box, tile)) for box in all_tiles]
-    left = [k for k in range(len(all_tiles)) if marker(index[k]) not in done]
+    left = [k for k in range(len(all_tiles)) if index[k] not in done]
     todo = [k for k in left if k % dp == dp_rank]
     if a.stop_after:
         todo = todo[:a.stop_after]
@@ -222,7 +208,7 @@ def main(argv):
                 dist.all_reduce(acc, group=cp_group)  # every slab's share of the tile's sums
             if cp_rank == 0:
                 write_tile(acc, box, norm, vol, out_arr, zero_arr, tile, a.dtype, classes)
-                sync(store.set(marker(index[k]), proto.buffer.from_bytes(b"1")))
+                done.mark(index[k])
                 voxels += math.prod(hi - lo for lo, hi in box)
             now = round((n + 1) / len(todo) * len(left)) if todo else 0
             bar.update(now - counted)
