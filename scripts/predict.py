@@ -22,7 +22,8 @@ Dead traces: a trace the store's trace mask calls dead, or whose amplitudes in a
 predicted as no class (every stored probability 0), and `dead_traces` marks the traces dead over the whole survey.
 
     probability   (inline, crossline, time) of class 1 (binary) or (class, inline, crossline, time), chunks of the
-                  survey's chunk shape; uint8 (p = value / 255: the attribute scale_factor) or float16 (--dtype)
+                  survey's chunk shape; uint8 (p = value / 255: the attribute scale_factor), float16 or float32
+                  (--dtype)
     dead_traces   (inline, crossline) uint8, 1 where the trace is dead
     inline, crossline, time   the store's coordinates (voxel indices where it has none)
 With --variable=NAME the arrays are NAME and NAME_dead_traces inside the MDIO v1 store at --out (the survey itself, or
