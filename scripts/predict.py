@@ -75,6 +75,8 @@ def parse(argv):
                     f"{TILE_VOXELS:,} voxels)")
     ap.add_argument("--dtype", default="uint8", choices=("uint8", "float16", "float32"),
                     help="of the stored probabilities (uint8: p = value / 255)")
+    ap.add_argument("--bf16", action="store_true", help="the forward in bf16 autocast (on a GPU, as training runs); "
+                    "the blending and the sums stay fp32")
     ap.add_argument("--cp", type=int, default=1, help="ranks per window (ring attention), as in training")
     ap.add_argument("--batch", type=int, default=0,
                     help=f"windows per forward pass (default: as many as hold {BATCH_TOKENS:,} tokens and "
@@ -149,7 +151,7 @@ def main(argv):
     settings = {"made_by": "scripts.predict", "source": source, "model": modelfile.identity(a.model),
                 "crop": list(crop), "overlap": a.overlap, "stride": list(stride), "blend": a.blend,
                 "sigma": a.sigma if a.blend == "gaussian" else None, "tile": list(tile), "shape": list(shape),
-                "chunks": list(chunks), "classes": classes, "dtype": a.dtype}
+                "chunks": list(chunks), "classes": classes, "dtype": a.dtype, "bf16": a.bf16}
     so = reader.storage_options(a.out, opts) if outputs.is_remote(a.out) else None
     pic = a.picture or (os.path.basename(a.out.rstrip("/")) + ".png" if outputs.is_remote(a.out) else
                         a.out.rstrip("/") + (f".{a.variable}.png" if a.variable else ".png"))
@@ -197,7 +199,7 @@ def main(argv):
             for b in range(0, len(wins), batch):
                 part = wins[b:b + batch]
                 orgs = [(o[0] + cp_rank * slab,) + o[1:] for o in part]  # this rank's slab of each window
-                p = window_probabilities(model, vol, orgs, (slab,) + crop[1:], g_loc, device)  # (B, C', slab, Y, X)
+                p = window_probabilities(model, vol, orgs, (slab,) + crop[1:], g_loc, device, a.bf16)  # (B, C', ..)
                 for o, q in zip(orgs, p * w3):
                     lo = [max(x, l_) for x, (l_, _) in zip(o, box)]
                     hi = [min(x + c, h_) for x, c, (_, h_) in zip(o, (slab,) + crop[1:], box)]
@@ -238,7 +240,7 @@ def main(argv):
     return 0
 
 
-def window_probabilities(model, vol, origins, size, g_loc, device):
+def window_probabilities(model, vol, origins, size, g_loc, device, bf16=False):
     """The class probabilities of windows (this rank's slab of each): origins [(i, x, t)] of `size` voxels, read from
     the survey where they lie inside it and zeros beyond (an axis shorter than the window) -> (B, C', *size) fp32,
     C' = 1 (binary: the probability of class 1) or the classes (softmax)."""
@@ -249,9 +251,9 @@ def window_probabilities(model, vol, origins, size, g_loc, device):
     for b, (_, s) in enumerate(crops):
         if min(s) > 0:
             x[b, 0, :s[0], :s[1], :s[2]] = next(it)
-    with torch.no_grad():
-        logits = model.seg_logits(torch.from_numpy(x).to(device))  # (B, L_loc, P, C')
-        p = torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits.float(), -1)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model.seg_logits(torch.from_numpy(x).to(device)).float()  # (B, L_loc, P, C')
+        p = torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, -1)
         return torch.cat([unpatchify(p[..., c].float(), model.patch, g_loc) for c in range(p.shape[-1])], 1)
 
 

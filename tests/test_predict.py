@@ -136,6 +136,10 @@ def test_one_window_is_the_model_itself_and_blended_windows_leave_no_seam(survey
     ref_one = prob(root / "one.zarr")
     assert np.abs(ref_one - ref).max() <= 1e-5 and np.abs(prob(root / "one_tiled.zarr") - ref).max() <= 1e-5
     assert ref.std() > 0.2  # (a prediction with structure: seams would show)
+    # the forward in bf16 (one window: bf16 on a CPU without it is emulated, ~80x slower): close to fp32
+    ok(run_predict(base + [f"--out={root / 'bf16.zarr'}", f"--crop={SHAPE}", "--bf16"]))
+    d = np.abs(prob(root / "bf16.zarr") - ref_one)
+    assert d.mean() <= 0.01 and d.max() <= 0.1, (d.mean(), d.max())
     # a window longer than the survey's inline axis: zeros beyond it, every voxel still predicted
     padded = ok(run_predict(base + [f"--out={root / 'padded.zarr'}", "--crop=64,32,64"]))
     live = ~np.isin(np.arange(SHAPE[0] * SHAPE[1]), [i * SHAPE[1] + x for i, x in DEAD]).reshape(SHAPE[:2])
@@ -187,6 +191,7 @@ def test_every_layout_and_a_restart_write_the_same_prediction(survey):
     assert again["voxels"] == np.prod(SHAPE) - 4 * 16 * 16 * 32  # the 4 tiles marked were skipped
     for name in ("dp2cp2", "dp2", "restart"):
         assert np.abs(prob(root / f"{name}.zarr") - ref).max() <= 1e-5, name
+
     assert not os.path.exists(part) and not os.path.exists(root / "restart.zarr" / "predict_done")
     again = ok(run_predict(base + [f"--out={root / 'restart.zarr'}"]))
     assert again["already_complete"]
