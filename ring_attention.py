@@ -76,8 +76,9 @@ def check_head_dim(d):
 def block_kernel(q, k, v, scale):
     """Which fused kernel runs a block: the one F.scaled_dot_product_attention would pick for these inputs (so
     torch.nn.attention.sdpa_kernel pins it, as for plain SDPA): 'cpu' (the CPU flash kernel), or on CUDA 'cudnn'
-    (cuDNN's, what SDPA picks for bf16 on an H200 with torch 2.11: the fastest there, see bench/gpu.py
-    attention_rates), 'flash' (FlashAttention-2) or 'efficient' (memory-efficient, the one for fp32)."""
+    (cuDNN's, what SDPA picked for bf16 on an H200 in the GPU check's runs, made with torch 2.11: the fastest there,
+    see bench/gpu.py attention_rates and docs/gpu_check/), 'flash' (FlashAttention-2) or 'efficient'
+    (memory-efficient, the one for fp32)."""
     if q.device.type == "cpu":
         return "cpu"
     from torch.nn.attention import SDPBackend

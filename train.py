@@ -6,7 +6,8 @@ Pretrain a 3D ViT-MAE on seismic volumes with DeepSpeed ZeRO-2 (or ZeRO-3, or FS
 
 Read top to bottom: the config check (every key, its default and meaning are in configurator.py; every bad
 input fails here, before any work), setup (distributed, data, model, the strategy's engine), one training
-step, the run's log, and main(): resume, then the loop with its evaluations, checkpoints and stop signals.
+step, the run's log, main() (the config, its check, the dry run or setup) and run(): resume, then the loop with its
+evaluations, checkpoints and stop signals.
 One training step is grad_accum micro steps of micro_batch samples on each of the dp_size data-parallel
 ranks, and each sample is split over the cp ranks of a context-parallel group:
     world        = dp_size * cp                                 (CP groups: contiguous ranks, one node)

@@ -8,8 +8,9 @@
 # FLOPs:    per sample, forward: encoder 24 x (24 N D^2 + 4 N^2 D), N = 25,601, D = 1024  =  80 TFLOP
 #                                decoder  8 x (24 L d^2 + 4 L^2 d),  L = 102,400, d = 512  = 177 TFLOP
 #           (attention is 90 % of it: 4 N^2 D dominates at this length); x3 for backward = 772 TFLOP; the
-#           fused kernel runs that attention below 40 % of peak (at heads of 128 fastest, at ViT-L's decoder heads
-#           of 32 about half of that), so it sets the step time: run `python -m scripts.plan config/base_102k.py`
+#           fused kernel runs that attention well below peak (plan.ATTN_TFLOPS: at heads of 128 fastest, at ViT-L's
+#           decoder heads of 32 about half of that), so it sets the step time: run `python -m scripts.plan
+#           config/base_102k.py`
 # sample:   640 x 640 x 1024 x 4 B = 1.56 GiB of float32 read per sample (200 chunks of 128^3 when aligned)
 out_dir = "out/base_102k"
 data_paths = ["data/survey.mdio"]  # point at your MDIO v1 stores (local paths or s3:// URLs)

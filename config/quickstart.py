@@ -3,7 +3,7 @@
 # model, data path, DeepSpeed ZeRO-2 and checkpoints as the 16-node configs.
 out_dir = "out/quickstart"
 data_paths = ["data/quickstart.mdio"]
-make_synthetic = True  # written on first run (about 1 s): 128 x 128 x 256 voxels = 16 MB float32
+make_synthetic = True  # written on first run: 128 x 128 x 256 voxels = 16 MB float32
 synthetic_shape = (128, 128, 256)
 # 32 x 32 x 128 chunks (512 KiB) and aligned crops: every crop lies inside one chunk, so a sample is one
 # request (unaligned, a 16 x 16 x 64 crop can touch 2 x 2 x 2 chunks: 8 requests)
@@ -20,12 +20,13 @@ model_size = "tiny"  # 96 wide, 4 deep encoder; 64 wide, 2 deep decoder
 mask_ratio = 0.75
 # the loss on each masked patch normalised by its own mean and std, as the 16-node configs train (and MAE's
 # paper, whose features improved with it): the encoder learns waveform and structure, not amplitude, which
-# varies with gain and processing from survey to survey. It shows downstream: scripts/probe.py scores this model's
-# features above a random encoder's (+0.009 +- 0.003 IoU); trained on raw amplitudes it was a tie (README)
+# varies with gain and processing from survey to survey. It shows downstream: `python -m scripts.probe
+# out/quickstart` scores this model's features against a random encoder's (docs/after_training.md keeps the
+# table, with and without it)
 norm_pix_loss = True
 
-# 2 CPU ranks x micro_batch 8 = global batch 16; lr = blr * 16 / 256 = 1.5e-3; 500 steps = 8,000 samples,
-# about 2 minutes on 2 cores (~125 ms per step)
+# 2 CPU ranks x micro_batch 8 = global batch 16; lr = blr * 16 / 256 = 1.5e-3; 500 steps = 8,000 samples, a
+# few minutes on 2 cores (`python -m bench step config/quickstart.py` measures the step; docs/measurements.md)
 micro_batch = 8
 max_steps = 500
 blr = 2.4e-2
@@ -35,7 +36,8 @@ ckpt_interval = 100
 
 # validation: the last quarter of the inlines (96..127: one 32-inline chunk) is held out; training crops lie
 # in inlines 0..95. 16 fixed validation samples (one micro batch per rank) at steps 0, 250 and 500: an
-# evaluation costs ~1 s on 2 cores, mostly drawing the two figures (out/quickstart/figures/)
+# evaluation's time goes mostly to drawing the two figures (out/quickstart/figures/); the run's log says how
+# much of the loop the evaluations took
 val_frac = 0.25
 eval_interval = 250
 eval_samples = 16

@@ -160,9 +160,9 @@ def step_bytes(st, act):
 # The fused attention kernel's useful rate by head dim, forward + backward (FLOPs 4 N^2 d per head forward and
 # ATTN_BWD x that backward, over the time of both), TFLOP/s on one H200 in bf16, non-causal, 102,400 tokens: the
 # kernel F.scaled_dot_product_attention picks there, which is the one the ring's blocks run (ring_attention.
-# block_kernel): cuDNN's with torch 2.11. Measured by `bash bench/gpu_check.sh` (bench/gpu.py, section
-# attention_rates; the run is docs/gpu_check/h200_run1.jsonl, where FlashAttention-2 measured 225 / 302 / 325
-# and the memory-efficient kernel 64 / 117 / 148 at the same head dims). Head dims in between run on the next
+# block_kernel): cuDNN's in the runs these figures come from (torch 2.11). Measured by `bash bench/gpu_check.sh`
+# (bench/gpu.py, section attention_rates; the run is docs/gpu_check/h200_run1.jsonl, where FlashAttention-2
+# measured 225 / 302 / 325 and the memory-efficient kernel 64 / 117 / 148 at the same head dims). Head dims in between run on the next
 # tile size up (104 on 128's kernel: 104/128 of its FLOPs are ours; measured at 104: 442, this model gives 462);
 # above 128 (unmeasured) taken as 128's rate. Another GPU or library: run the check and put its numbers here.
 ATTN_TFLOPS = {32: 247, 64: 449, 128: 569}

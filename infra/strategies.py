@@ -36,8 +36,9 @@ def build(model, cfg, peak_lr, dtype, device):
         # gradients in fp32, as FSDP2 keeps them here (reduce_dtype) and Megatron does: reduced in fp32
         # (communication_data_type) AND accumulated and kept in fp32 (grad_accum_dtype). Without the latter,
         # ZeRO-2/3 allocate the gradient partition in the model dtype and round the fp32-reduced result back
-        # to bf16 (stage_1_and_2.py, stage3.py): measured 14x further from the fp32 run than FSDP2 with an
-        # earlier DeepSpeed (0.19.8 gives the same losses without it: tests/test_bf16.py).
+        # to bf16 (stage_1_and_2.py, stage3.py): with an earlier DeepSpeed that strayed far further from the fp32
+        # run than FSDP2 (0.19.8 gives the same losses without it: tests/test_bf16.py). `python -m bench bf16
+        # config/quickstart.py` measures each strategy's distance from fp32 beside FSDP2's (docs/measurements.md).
         "communication_data_type": "fp32",
         "data_types": {"grad_accum_dtype": "fp32"},
         "zero_optimization": {
@@ -59,10 +60,11 @@ def build(model, cfg, peak_lr, dtype, device):
             "stage3_max_live_parameters": cfg["zero3_max_live"], "stage3_max_reuse_distance": cfg["zero3_max_live"],
             "stage3_param_persistence_threshold": ZERO3_PERSIST,
             # ZeRO-3 normally swaps F.linear for its own function, which (for 3D inputs) does a matmul and then
-            # adds the bias: in bf16 two roundings where addmm makes one, so bf16 ZeRO-3 drifted from ZeRO-2 and
-            # FSDP2 (2.4x further from fp32 over 40 quickstart steps). It saves the same tensors as F.linear,
-            # whose backward works under ZeRO-3 too (the weights are gathered before each module's backward).
-            # Off: the same linear as the other strategies, and the same bf16 losses as ZeRO-2 (measured).
+            # adds the bias: in bf16 two roundings where addmm makes one, so bf16 ZeRO-3 drifted further from fp32
+            # than ZeRO-2 and FSDP2 (`python -m bench bf16 config/quickstart.py`). It saves the same tensors as
+            # F.linear, whose backward works under ZeRO-3 too (the weights are gathered before each module's
+            # backward).
+            # Off: the same linear as the other strategies, and the same bf16 losses as ZeRO-2 (the same bench).
             "memory_efficient_linear": False,
         },
         "zero_allow_untested_optimizer": True,
@@ -72,7 +74,8 @@ def build(model, cfg, peak_lr, dtype, device):
     # init's low bits would be gone. They matter: an early update (lr x 1 during warmup) is far below a bf16
     # weight's spacing, so round(round(init) + update) = round(init) and the weights do not move for many
     # steps, while round(init + update) moves by the update on average (FSDP2 keeps the fp32 init as its
-    # master: measured on the quickstart, bf16 ZeRO-2 strayed 16x further from the fp32 run than FSDP2).
+    # master: on the quickstart, bf16 ZeRO-2 strayed far further from the fp32 run than FSDP2, as `python -m bench
+    # bf16 config/quickstart.py` measures; docs/measurements.md keeps the figures from before this fix).
     # So the fp32 init goes into the masters, through DeepSpeed's own setter.
     init = {n: p.detach().clone() for n, p in model.named_parameters()} if dtype != torch.float32 else None
     if not on_gpu:
