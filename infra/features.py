@@ -7,6 +7,7 @@ scripts/probe.py and bench/step.py (embed) use them in memory.
     prepare(model, crop, cp)          the MAE set up for windows of `crop` (every token visible)
     encode(model, x, offset)          (B, 1, Z, Y, X) voxels -> (B, tokens, D) features
     features_of(model, vol, crop, stride)   a whole in-memory volume -> (gz, gy, gx, D) features
+    window_model(path, checkpoint, crop, cp, cp_group, device)   embed's and predict's model, set up on the ranks
 """
 import itertools
 import math

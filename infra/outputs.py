@@ -8,6 +8,9 @@ What a command writes: whole or not at all, and never over what it did not write
     replacing(path) as tmp                      a file written under a temporary name beside path, then renamed
     save_figure(fig, path, record)              a PNG written so, with `record` in a text chunk; figure_record()
     fsync_dir(path), fsync_tree(path)           flushed to disk: entries, files
+    move_into_place(work, out)                  a store built at OUT.partial renamed to OUT, over one --overwrite replaces
+    nothing_at(path)                            a store's path holds nothing (absent, or an empty folder)
+    Markers(store, prefix)                      the pieces of a long output already written (resume skips them)
 
 Every command that writes a file or a store asks target() first, before any work: export's model file, the library
 index's manifest, embed's features store and picture, reconstruct's figure, label_efficiency's folder. The rules,
