@@ -174,14 +174,12 @@ def gather_tokens(x, ids):
 
 def attention(q, k, v, cp=None):
     """The one attention call of the model. q, k, v: (B, H, N, Dh) -> (B, H, N, Dh), non-causal.
-    cp = None: all N tokens are here, plain fused SDPA. cp = (group, impl): these are this rank's N of the
-    sequence split over `group`; impl 'ring' is our ring_attention, 'torch' PyTorch's own ring (torch_cp_attention)."""
+    cp = None: all N tokens are here, plain fused SDPA. cp = (group, attend): these are this rank's N of the
+    sequence split over `group`, and attend(q, k, v, group) is attention over the whole of it (set_context_parallel)."""
     if cp is None:
         return F.scaled_dot_product_attention(q, k, v)
-    group, impl = cp
-    if impl == "ring":
-        return ring_attention.ring_attention(q, k, v, group)
-    return ring_attention.torch_cp_attention(q, k, v, group)
+    group, attend = cp
+    return attend(q, k, v, group)
 
 
 class PatchEmbed(nn.Conv3d):
@@ -238,7 +236,7 @@ class MAE(nn.Module):
         # model's function, depends on the strata and not on how many ranks compute it
         self.mask_strata = mask_strata
         self.E = encoder_tokens_per_stratum(self.L, mask_ratio, mask_strata)
-        self.cp = None  # (group, impl) under context parallelism; set by set_context_parallel
+        self.cp = None  # (group, attend) under context parallelism; set by set_context_parallel
         # encoder: the Conv3d patch embedding, applied to the visible patches only (PatchEmbed)
         self.patch_embed = PatchEmbed(1, dim, kernel_size=self.patch, stride=self.patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
@@ -327,12 +325,14 @@ class MAE(nn.Module):
             return self.L - 1
         return self.mask_strata * self.E - 1
 
-    def set_context_parallel(self, group, impl="ring"):
-        """Split every sample over the ranks of `group` (None or a group of 1: no context parallelism)."""
+    def set_context_parallel(self, group, attend=ring_attention.ring_attention):
+        """Split every sample over the ranks of `group` (None or a group of 1: no context parallelism), its attention
+        computed by attend(q, k, v, group): our ring, or any function that computes the same (train.py passes
+        infra/torch_cp.py's torch_cp_attention for cp_impl='torch')."""
         size = dist.get_world_size(group) if group is not None else 1
         if size > 1:
             assert self.grid[0] % size == 0 and self.mask_strata % size == 0, (self.grid, self.mask_strata, size)
-        self.cp = (group, impl) if size > 1 else None
+        self.cp = (group, attend) if size > 1 else None
 
     def run_blocks(self, blocks, x, stack, taps=None):
         """x through `blocks`; taps (UNETR's): {block count k: None}, each set to the output after k blocks."""

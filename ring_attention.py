@@ -9,9 +9,9 @@ no rank ever held more than two K/V blocks, and no N x N (or even N_local x N_lo
 built in Python: each block goes through the fused attention op that returns the log-sum-exp.
 
     ring_attention(q, k, v, group=None, scale=None) -> out (B, H, N_local, Dh), differentiable
-    torch_cp_attention(q, k, v, group)              -> the same through PyTorch's own ring functions
-    simulate_ring(q, k, v, P)                       -> the same block math over P blocks in one process
-    SelfRing(W)                                     -> a "group" of W ranks that are all this one (GPU check)
+
+(The same attention through PyTorch's own ring functions, cp_impl='torch', is infra/torch_cp.py, checked against
+this ring; the ring run in one process, for checks on one GPU, is bench/ring_sim.py.)
 
 The maths, for one query row q (dropping the row index):
   scores    s_j = scale * q . k_j,   softmax weights  p_j = exp(s_j - lse),   lse = log sum_j exp(s_j)
@@ -151,70 +151,26 @@ def merge(out, lse, out_b, lse_b):
 # the ring: point-to-point exchange with the neighbours
 
 
-class SelfRing:
-    """A ring of `size` ranks that are all this one process: every block it sends comes back to it. For checking
-    one rank's exact work on a single GPU: with the same K/V on every (simulated) rank, attention over the W
-    copies equals attention over one (softmax over duplicated keys: each weight is p_j / W, W times), so the
-    result must equal SDPA on the local q, k, v, forward and backward, while the ring runs all W steps, its
-    exchanges and its buffers at a real shard's shapes.
-      via = "p2p":  the real exchange, batch_isend_irecv to this rank's own global rank (NCCL sends to self
-                    inside a group call, as its all-to-all does; gloo cannot);
-      via = "copy": the exchange as a copy on a side stream, returned as a work whose wait() makes the
-                    compute stream wait for it (what an NCCL Work's wait() does); on CPU, a plain copy."""
-
-    def __init__(self, size, via="copy"):
-        assert size >= 1 and via in ("p2p", "copy"), (size, via)
-        self.size, self.via, self.stream = size, via, None
-
-    def exchange(self, ts):
-        bufs = [torch.empty_like(t) for t in ts]
-        if not ts[0].is_cuda:
-            for b, t in zip(bufs, ts):
-                b.copy_(t)
-            return [], bufs
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(priority=-1)  # high priority, as TORCH_NCCL_HIGH_PRIORITY gives NCCL
-        self.stream.wait_stream(torch.cuda.current_stream())  # the tensors are ready when the compute stream is
-        with torch.cuda.stream(self.stream):
-            for b, t in zip(bufs, ts):
-                b.copy_(t, non_blocking=True)
-                for x in (b, t):  # the allocator must not hand these out again before the side stream is done
-                    x.record_stream(self.stream)
-            done = torch.cuda.Event()
-            done.record()
-        return [_StreamWork(done)], bufs
-
-
-class _StreamWork:
-    def __init__(self, event):
-        self.event = event
-
-    def wait(self):
-        torch.cuda.current_stream().wait_event(self.event)
-
-
-def _ring_size(group):
-    return group.size if isinstance(group, SelfRing) else dist.get_world_size(group)
-
-
-def _neighbours(group):
-    """Global ranks of the next and previous member of `group` (P2P takes global ranks)."""
-    if isinstance(group, SelfRing):
-        me = dist.get_rank() if dist.is_initialized() else 0
-        return me, me
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    r, w = dist.get_rank(group), len(ranks)
-    return ranks[(r + 1) % w], ranks[(r - 1) % w]
+def _ring(group):
+    """The ring of `group`: (W, exchange), its size and exchange(ts, tag) -> (works, bufs), which posts one step's
+    exchange with the neighbours. `group` is a process group (None: the default one), or a stand-in ring in this
+    one process: anything with .size and .exchange(ts, tag) (bench/ring_sim.py's SelfRing, with which the GPU
+    check runs one rank's exact ring on a single GPU)."""
+    if hasattr(group, "exchange"):
+        return group.size, group.exchange
+    W = dist.get_world_size(group)
+    if W == 1:
+        return 1, None
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(W))  # P2P takes global ranks
+    r = dist.get_rank(group)
+    nxt, prv = ranks[(r + 1) % W], ranks[(r - 1) % W]
+    return W, lambda ts, tag: _exchange(ts, nxt, prv, group, tag)
 
 
 def _exchange(ts, nxt, prv, group, tag):
     """Post: send each tensor of ts to the next rank, receive tensors like them from the previous one.
     Returns (works, bufs). Nothing waits here: the caller computes, then calls _wait(works). (Sending k and
     v as two messages, rather than one stacked tensor, saves a copy of the local K/V.)"""
-    if isinstance(group, SelfRing):
-        if group.via == "copy":
-            return group.exchange(ts)
-        group = None  # p2p to ourselves in the default group: our global rank is our rank there
     bufs = [torch.empty_like(t) for t in ts]
     ops = [dist.P2POp(dist.isend, t, nxt, group, tag + i) for i, t in enumerate(ts)]
     ops += [dist.P2POp(dist.irecv, b, prv, group, tag + i) for i, b in enumerate(bufs)]
@@ -246,13 +202,12 @@ def _wait(works, device):
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale):
-        W = _ring_size(group)
-        nxt, prv = _neighbours(group) if W > 1 else (None, None)
+        W, exchange = _ring(group)
         kv = [k, v]  # the block we compute with; at step s it is rank (r - s)'s
         out = lse = extra = None
         for step in range(W):
             if step < W - 1:  # double buffering: the next block is in flight while we compute this one
-                works, kv_next = _exchange(kv, nxt, prv, group, tag=0)
+                works, kv_next = exchange(kv, 0)
             out_b, lse_b, ex = block_fwd(q, kv[0], kv[1], scale)  # (B, H, N, Dh), (B, H, N) fp32
             # block 0's extras serve every block's backward: shapes are the same, and with no dropout the
             # RNG state is unused
@@ -271,12 +226,11 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
-        W = _ring_size(group)
+        W, exchange = _ring(group)
         dout = dout.contiguous()
         if W == 1:
             dq, dk, dv = block_bwd(dout, q, k, v, out, lse, scale, ctx.extra)
             return dq, dk, dv, None, None
-        nxt, prv = _neighbours(group)
         acc = torch.promote_types(q.dtype, torch.float32)  # accumulate in fp32 (fp64 for fp64 inputs)
         dq = torch.zeros_like(q, dtype=acc)
         kv = [k, v]
@@ -285,7 +239,7 @@ class RingAttention(torch.autograd.Function):
             # at this step we hold the K/V block of rank (r - step); its dk/dv accumulator arrives from
             # rank r - 1, which held the same block one step ago
             if step < W - 1:
-                kv_works, kv_next = _exchange(kv, nxt, prv, group, tag=0)
+                kv_works, kv_next = exchange(kv, 0)
             # always the K/V block received at THIS step (never a copy from step 0: that would be a
             # silently wrong gradient)
             dq_b, dk_b, dv_b = block_bwd(dout, q, kv[0], kv[1], out, lse, scale, ctx.extra)
@@ -297,7 +251,7 @@ class RingAttention(torch.autograd.Function):
                 dkv = [dkv_in[0].add_(dk_b), dkv_in[1].add_(dv_b)]
             del dq_b, dk_b, dv_b  # folded in: not held through the next block's backward
             # send the accumulator on with its block; the one we receive belongs to the next block we hold
-            dkv_works, dkv_in = _exchange(dkv, nxt, prv, group, tag=2)
+            dkv_works, dkv_in = exchange(dkv, 2)
             if step < W - 1:
                 _wait(kv_works, q.device)
                 kv = kv_next
@@ -317,193 +271,3 @@ def ring_attention(q, k, v, group=None, scale=None):
     check_head_dim(q.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), group, scale)
-
-
-# -----------------------------------------------------------------------------
-# PyTorch's own context parallelism, as the alternative (cp_impl = 'torch')
-#
-# PyTorch's context_parallel() reaches its ring through a dispatcher that is switched on for a whole region,
-# forward AND backward (it must still be on during loss.backward(), or the backward of the attention op takes
-# DTensor's ordinary sharding rules: a local-only or gathered backward, not the ring). A model that is
-# context-parallel in its attention calls alone has no such region. So we call the two functions that
-# dispatcher ends in, `_templated_ring_attention` and `_templated_ring_attention_backward`, from an
-# autograd.Function of our own: PyTorch's rotation, merge and backward accumulation, run exactly when autograd
-# asks for them, on the CP group, with the K/V passed from rank to rank ("alltoall" rotation), not all-gathered.
-
-
-def _torch_ring():
-    """PyTorch's ring functions and its options (private API: its place moved between releases)."""
-    try:
-        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
-    except ImportError:
-        try:
-            from torch.distributed.tensor.experimental import _attention as cp
-        except ImportError:
-            cp = None
-    if cp is None or not all(hasattr(cp, n) for n in ("_templated_ring_attention", "_templated_ring_attention_backward",
-                                                     "_cp_options", "_RotateMethod")):
-        raise RuntimeError(f"cp_impl='torch' needs PyTorch's ring functions (_templated_ring_attention and its "
-                           f"_backward in torch.distributed.tensor.experimental), which torch {torch.__version__} "
-                           f"does not have where they are looked for: use cp_impl='ring'")
-    return cp
-
-
-def _torch_op(q, k, v, scale):
-    """The attention op for PyTorch's ring: the kernel our ring's blocks run (block_kernel: the one SDPA would
-    pick), as (forward op, backward op, name of its gradient argument, forward kwargs, names of the forward's
-    extra outputs that the backward takes): the ops and arguments of PyTorch's own ring handlers."""
-    aten = torch.ops.aten
-    base = dict(dropout_p=DROPOUT, scale=scale)
-    kernel = block_kernel(q, k, v, scale)
-    if kernel == "cpu":
-        return (aten._scaled_dot_product_flash_attention_for_cpu.default,
-                aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "grad_out", base, ())
-    if kernel == "flash":
-        return (aten._scaled_dot_product_flash_attention.default,
-                aten._scaled_dot_product_flash_attention_backward.default, "grad_out", base,
-                ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"))
-    if kernel == "cudnn":
-        return (aten._scaled_dot_product_cudnn_attention.default,
-                aten._scaled_dot_product_cudnn_attention_backward.default, "grad_out",
-                dict(base, attn_bias=None, compute_log_sumexp=True),
-                ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"))
-    return _efficient_fwd, _efficient_bwd, "grad_out", base, ("philox_seed", "philox_offset")
-
-
-def _efficient_fwd(query, key, value, is_causal=False, dropout_p=DROPOUT, scale=None):
-    """The memory-efficient op as our block_fwd runs it (its log-sum-exp cut from the kernel's padding to one value
-    per row, which PyTorch's merge needs), in the form PyTorch's ring calls: (out, lse, *extras)."""
-    out, lse, (_, seed, offset) = block_fwd(query, key, value, scale)
-    return out, lse, seed, offset
-
-
-def _efficient_bwd(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, is_causal=False,
-                   dropout_p=DROPOUT, scale=None):
-    return block_bwd(grad_out, query, key, value, out, logsumexp, scale, ("efficient", philox_seed, philox_offset))
-
-
-class _TorchOptions:
-    """PyTorch's ring reads module-level options: the rotation ("alltoall": blocks passed on, never every K/V
-    gathered), no load balancing (it reorders the sequence head-tail, which only helps causal attention; our
-    shares are contiguous slabs), partial results merged in fp32. Set for the call, restored after."""
-
-    def __init__(self, cp):
-        self.o, self.cp = cp._cp_options, cp
-
-    def __enter__(self):
-        self.saved = (self.o.rotate_method, self.o.enable_load_balance, self.o.convert_to_f32)
-        self.o.rotate_method, self.o.enable_load_balance = self.cp._RotateMethod.ALL_TO_ALL, False
-        self.o.convert_to_f32 = True
-
-    def __exit__(self, *exc):
-        self.o.rotate_method, self.o.enable_load_balance, self.o.convert_to_f32 = self.saved
-
-
-class TorchRingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, scale):
-        cp = _torch_ring()
-        fwd, bwd, grad_name, kw, extra_names = _torch_op(q, k, v, scale)
-        with _TorchOptions(cp):
-            out, lse, *rest = cp._templated_ring_attention(group, 2, fwd, q, k, v, is_causal=False, **kw)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.bwd, ctx.grad_name = group, bwd, grad_name
-        ctx.kw = dict(dict(zip(extra_names, rest)), **{n: kw[n] for n in kw if n != "compute_log_sumexp"})
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        cp = _torch_ring()
-        q, k, v, out, lse = ctx.saved_tensors
-        with _TorchOptions(cp):
-            dq, dk, dv, *_ = cp._templated_ring_attention_backward(
-                ctx.group, 2, ctx.bwd, dout.contiguous(), ctx.grad_name, q, k, v, out, lse, False, **ctx.kw)
-        return dq, dk, dv, None, None
-
-
-class CPMismatchError(RuntimeError):
-    """PyTorch's ring and ours disagree on this machine: cp_impl='torch' would train on wrong numbers."""
-
-
-_verified = set()  # (group, device, dtype, head dim) already checked against our ring
-
-
-def verify_torch_cp(group, device, dtype, head_dim):
-    """The check no CPU can make for every build: one small random problem through PyTorch's ring and ours,
-    forward and backward, on this CP group, device and dtype. Every rank draws the same full problem and takes
-    its share; the worst relative difference is agreed over the group, so every rank gives the same verdict.
-    Raises CPMismatchError if they differ beyond the dtype's tolerance."""
-    key = (id(group), str(device), dtype, head_dim)
-    if key in _verified:
-        return
-    W, r = dist.get_world_size(group), dist.get_rank(group)
-    n = 48  # tokens per rank: not a multiple of 32 (the efficient kernel's padding is exercised)
-    g = torch.Generator().manual_seed(1234)
-    full = [torch.randn(1, 2, W * n, head_dim, generator=g) for _ in range(4)]
-    q, k, v, dout = (t[:, :, r * n:(r + 1) * n].to(device, dtype) for t in full)
-    res = []
-    # its own little graph, whatever the caller is in: no_grad (validation), or a checkpointed block's forward
-    # (whose saved-tensor hooks must not see these tensors: the innermost hooks win, and these keep them as they are)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        for fn in (TorchRingAttention.apply, RingAttention.apply):
-            x = [t.clone().requires_grad_() for t in (q, k, v)]
-            o = fn(*x, group, head_dim ** -0.5)
-            o.backward(dout)
-            res.append([o.detach().float()] + [t.grad.float() for t in x])
-    err = torch.stack([(a - b).abs().max() / b.abs().max().clamp_min(1e-6) for a, b in zip(*res)]).max()
-    dist.all_reduce(err, op=dist.ReduceOp.MAX, group=group)  # on `device`: NCCL serves CUDA tensors only
-    tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
-    if not err.item() <= tol:  # (NaN refuses too)
-        raise CPMismatchError(
-            f"cp_impl='torch' disagrees with ring_attention on this machine ({device.type}, {dtype}, head dim "
-            f"{head_dim}, cp {W}): largest relative difference {err.item():.3g} > {tol} in the outputs or gradients. "
-            f"PyTorch's private ring functions behave differently in torch {torch.__version__}: use cp_impl='ring'")
-    _verified.add(key)
-
-
-@torch._disable_dynamo  # (as ring_attention: its collectives and autograd.Function are not traced)
-def torch_cp_attention(q, k, v, group=None, scale=None):
-    """The same attention as ring_attention, through PyTorch's own ring functions (see above), checked against
-    ring_attention the first time it runs on a group, device, dtype and head dim (verify_torch_cp)."""
-    check_head_dim(q.shape[-1])
-    group = group if group is not None else dist.group.WORLD
-    verify_torch_cp(group, q.device, q.dtype, q.shape[-1])
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return TorchRingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), group, scale)
-
-
-# -----------------------------------------------------------------------------
-# the block maths in one process, for checking the GPU op path without P2P
-
-
-def simulate_ring(q, k, v, P, dout=None, scale=None):
-    """What the ring computes, for the full sequence split into P query and key blocks in one process:
-    forward merges, and backward with the global out/lse, through the same block_fwd/block_bwd/merge.
-    Returns out, and (dq, dk, dv) when dout is given."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qs, ks, vs = ([c.contiguous() for c in t.chunk(P, dim=2)] for t in (q, k, v))
-    outs, lses, extras = [], [], []
-    for qi in qs:
-        o = l = ex = None
-        for kj, vj in zip(ks, vs):
-            ob, lb, e = block_fwd(qi, kj, vj, scale)
-            ex = ex if ex is not None else e
-            o, l = merge(o, l, ob, lb)
-        outs.append(o.to(q.dtype))
-        lses.append(l)
-        extras.append(ex)
-    out = torch.cat(outs, dim=2)
-    if dout is None:
-        return out
-    acc = torch.promote_types(q.dtype, torch.float32)
-    dqs = [torch.zeros_like(qi, dtype=acc) for qi in qs]
-    dks = [torch.zeros_like(kj, dtype=acc) for kj in ks]
-    dvs = [torch.zeros_like(vj, dtype=acc) for vj in vs]
-    for i, (qi, doi) in enumerate(zip(qs, dout.contiguous().chunk(P, dim=2))):
-        for j, (kj, vj) in enumerate(zip(ks, vs)):
-            a, b, c = block_bwd(doi.contiguous(), qi, kj, vj, outs[i], lses[i], scale, extras[i])
-            dqs[i] += a
-            dks[j] += b
-            dvs[j] += c
-    cat = lambda xs, t: torch.cat(xs, dim=2).to(t.dtype)  # noqa: E731
-    return out, (cat(dqs, q), cat(dks, k), cat(dvs, v))

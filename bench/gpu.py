@@ -15,7 +15,7 @@ a hang or the call's time limit loses that section only. Sections run most decis
   self_p2p         batch_isend_irecv to this rank itself: can the ring's real exchange run on one GPU?
   ops              the ring's block ops (bf16: the kernel SDPA picks, and flash pinned; fp32: memory-efficient)
                    against fp64 SDPA, head dims 32..128
-  self_ring        the real RingAttention, W ranks simulated on this one (ring_attention.SelfRing), forward and
+  self_ring        the real RingAttention, W ranks simulated on this one (bench/ring_sim.py's SelfRing), forward and
                    backward against SDPA: the exchange through NCCL to itself where it runs, else side-stream copies
   torch_cp         cp_impl='torch' (PyTorch's ring functions with this GPU's flash / efficient / cuDNN ops) and
                    its guard against our ring

@@ -90,9 +90,9 @@ def sec_env(smoke, dev, out_dir):
             res[f"{mod}_version"] = getattr(m, "__version__", "")
         except Exception as e:  # noqa: BLE001 (every import failure is a finding)
             missing.append(f"{mod}: {type(e).__name__}: {e}")
-    import ring_attention as RA
+    from infra import torch_cp
     try:
-        RA._torch_ring()
+        torch_cp._torch_ring()
         res["torch_ring_functions"] = True
     except RuntimeError as e:
         missing.append(str(e))
@@ -147,6 +147,7 @@ def sec_ops(smoke, dev, out_dir):
     import torch.nn.functional as F
 
     import ring_attention as RA
+    from bench.ring_sim import simulate_ring
     cases = ((2, 1000, 64), (4, 4100, 104), (8, 8 * 1031, 128), (3, 3 * 509, 32), (5, 5 * 300, 80))
     if smoke:
         cases = tuple((P, P * 13, d) for P, _, d in cases)
@@ -162,7 +163,7 @@ def sec_ops(smoke, dev, out_dir):
                 x = [t.to(dtype) for t in (q, k, v)]
                 with _pinned(pin):
                     kernel = RA.block_kernel(*x, Dh ** -0.5)
-                    got, grads = RA.simulate_ring(*x, P, dout=dout.to(dtype))
+                    got, grads = simulate_ring(*x, P, dout=dout.to(dtype))
                 errs = [rel_err(a, b) for a, b in zip((got, *grads), (ref, qr.grad, kr.grad, vr.grad))]
                 name = f"{str(dtype)[6:]} {kernel} P={P} N={N} D={Dh}"
                 worst[name] = max(errs)
@@ -195,10 +196,11 @@ def _self_ring_vias(dev, out_dir):
 def sec_self_ring(smoke, dev, out_dir):
     """The real RingAttention (its exchange, waits, double buffers, backward's travelling accumulators) with W ranks
     simulated on this one: the same K/V comes back at every step, so the result must be SDPA's on the local
-    q, k, v, forward and backward (ring_attention.SelfRing)."""
+    q, k, v, forward and backward (bench/ring_sim.py's SelfRing)."""
     import torch.nn.functional as F
 
     import ring_attention as RA
+    from bench.ring_sim import SelfRing
     dist = _init_world_1()
     n = 24 if smoke else 1000
     rows = []
@@ -217,7 +219,7 @@ def sec_self_ring(smoke, dev, out_dir):
                         x = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]  # (fresh leaves)
                         with _pinned(pin):
                             kernel = RA.block_kernel(*x, d ** -0.5)
-                            out = RA.ring_attention(*x, group=RA.SelfRing(W, via))
+                            out = RA.ring_attention(*x, group=SelfRing(W, via))
                             out.backward(dout.to(dtype))
                         errs.append(max(rel_err(a, b) for a, b in zip((out.detach(), *(t.grad for t in x)),
                                                                      (o, *(t.grad for t in ref)))))
@@ -237,7 +239,7 @@ def sec_torch_cp(smoke, dev, out_dir):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import ring_attention as RA
+    from infra import torch_cp
     dist = _init_world_1()
     n = 40 if smoke else 1000
     backends = [None] if dev.type == "cpu" else [None, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -255,7 +257,7 @@ def sec_torch_cp(smoke, dev, out_dir):
                 name = b.name if b is not None else "default"
                 try:
                     with sdpa_kernel(b) if b is not None else nullcontext():
-                        out = RA.TorchRingAttention.apply(*x, dist.group.WORLD, d ** -0.5)
+                        out = torch_cp.TorchRingAttention.apply(*x, dist.group.WORLD, d ** -0.5)
                         out.backward(dout.to(dtype))
                 except RuntimeError as e:  # this backend does not take these inputs: not a defect of ours
                     rows.append([str(dtype)[6:], d, name, "-", f"unavailable: {str(e).splitlines()[0][:60]}"])
@@ -263,7 +265,7 @@ def sec_torch_cp(smoke, dev, out_dir):
                 err = max(rel_err(a, c) for a, c in zip((out.detach(), *(t.grad for t in x)),
                                                           (o, *(t.grad for t in ref))))
                 rows.append([str(dtype)[6:], d, name, f"{err:.2e}", "ok" if err <= tol else "FAIL"])
-            RA.verify_torch_cp(dist.group.WORLD, dev, dtype, d)  # raises CPMismatchError
+            torch_cp.verify_torch_cp(dist.group.WORLD, dev, dtype, d)  # raises CPMismatchError
     table(rows, ["dtype", "head dim", "backend", "max rel err", "tol 5e-5 / 2e-2"])
     dist.destroy_process_group()
     return {"rows": rows, "ok": all(r[-1] != "FAIL" for r in rows) and any(r[-1] == "ok" for r in rows)}
@@ -280,8 +282,9 @@ def sec_big_blocks(smoke, dev, out_dir):
     the measured peak under the planner's bound."""
     import configurator
     import model as M
-    from infra import plan as P
     import ring_attention as RA
+    from bench.ring_sim import SelfRing
+    from infra import plan as P
     dist = _init_world_1()
     cfg = configurator.defaults()
     configurator.apply(cfg, [os.path.join(HERE, "config/big_context.py")])
@@ -299,7 +302,7 @@ def sec_big_blocks(smoke, dev, out_dir):
         blk = M.Block(C, H).to(dev, dtype)
         x = torch.randn(1, n, C, device=dev, dtype=dtype)
         dout = torch.randn(1, n, C, device=dev, dtype=dtype)
-        ring = (RA.SelfRing(W, via), "ring")
+        ring = (SelfRing(W, via), RA.ring_attention)  # a Block's cp: (group, attention over the split sequence)
 
         def fwd_bwd(cp):
             xi = x.clone().requires_grad_()

@@ -234,7 +234,7 @@ def sec_base_step_aligned(smoke, dev, out_dir):
 def _rank_step(smoke, dev, out_dir, name):
     """One cp rank's exact share of a big_context step on this GPU: model G at the head layout HEADS[name], bf16,
     the config's checkpointed blocks, rank 0's slab (crop[0] / cp inline planes, its cls token, its masked tokens),
-    the ring a self-ring of W = cp ranks (ring_attention.SelfRing: every K/V block comes back, so each attention
+    the ring a self-ring of W = cp ranks (bench/ring_sim.py's SelfRing: every K/V block comes back, so each attention
     call does rank 0's full share, W blocks of keys), the loss over the whole sample's masked count; forward, loss
     and backward of the plain model (no optimizer: a world-of-1 ZeRO-2 would hold the optimizer state of 128 ranks).
     A warm-up of one encoder and one decoder block at these shapes (the kernels' plans), then one timed step: its
@@ -245,6 +245,7 @@ def _rank_step(smoke, dev, out_dir, name):
     import model as M
     import ring_attention as RA
     import train
+    from bench.ring_sim import SelfRing
     from infra import plan as P
     heads = (SMOKE_HEADS if smoke else HEADS)[name]
     cfg = _config("big_context.py", [*(f"--{k}={v}" for k, v in heads.items()),
@@ -258,7 +259,7 @@ def _rank_step(smoke, dev, out_dir, name):
     dtype = torch.bfloat16
     torch.manual_seed(cfg["seed"])
     m = M.build_model(cfg, device=dev, train=True).to(dtype).train()
-    m.cp = (RA.SelfRing(W, via), "ring")  # (set_context_parallel asks a process group its size: this is none)
+    m.cp = (SelfRing(W, via), RA.ring_attention)  # (set_context_parallel asks a process group its size: this is none)
     crop = cfg["crop"]
     x = torch.randn(1, 1, crop[0] // W, crop[1], crop[2], device=dev, dtype=dtype)  # rank 0's slab
     ids_keep = m.keep_ids(data.mask_noise(cfg["seed"], [0], m.L, 0, W), 0, W).to(dev)

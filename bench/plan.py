@@ -72,7 +72,7 @@ def calibrate():
                          f"{act_measured / 2 ** 20:.2f} MiB", f"{100 * e:+.1f}%"])
     # The ring's backward: what one rank's RingAttention.backward allocates beyond what it is handed, at its
     # peak, counted by the profiler's CPU allocation events (each allocation and free, from the start of backward).
-    # One rank of a W-rank ring in this process (ring_attention.SelfRing: the exchange done as a local copy, the
+    # One rank of a W-rank ring in this process (bench/ring_sim.py's SelfRing: the exchange done as a local copy, the
     # "received" blocks this rank's own): the receive buffers are the only tensors the real exchange allocates,
     # and 2, 3 and 4 gloo ranks allocated exactly the same bytes at these shapes. Wide and short (N 256, 16 heads of 64): the per-token terms dwarf the CPU
     # kernel's scratch tiles per thread (fixed sizes, which ring_bytes leaves out: under 3 % here).
@@ -80,6 +80,7 @@ def calibrate():
     from torch.profiler import ProfilerActivity, profile
 
     import ring_attention as RA
+    from bench.ring_sim import SelfRing
     from infra.plan import ring_bytes
 
     def walk(events):
@@ -91,7 +92,7 @@ def calibrate():
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, H, N, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
         dout = torch.randn(1, N, H, d, generator=g, dtype=dtype).transpose(1, 2)  # as proj's backward hands it on
-        out = RA.ring_attention(q, k, v, group=RA.SelfRing(W))
+        out = RA.ring_attention(q, k, v, group=SelfRing(W))
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out.backward(dout)
         allocs = sorted((ev.start_time_ns, ev.extra_fields.alloc_size)

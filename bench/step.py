@@ -107,7 +107,7 @@ def _time_steps(cfg, argv, warmup, steps, quiet=False):
         warm = time.perf_counter() - t0
         t, wait, losses = time.perf_counter(), 0.0, []
         for s in range(warmup, warmup + steps):
-            loss, _, w, _ = train.train_step(job, s, batches)
+            loss, _, w = train.train_step(job, s, batches)
             losses.append(loss)  # (a device tensor: read after the timing, no host sync per step)
             wait += w
         sync()
@@ -152,12 +152,13 @@ def _attention_worker(rank, world, port, variant, B, H, N, D, iters, out_path):
     import torch.nn.functional as F
 
     import ring_attention as RA
+    from infra.torch_cp import torch_cp_attention
     torch.set_num_threads(1 if variant != "sdpa" else world)
     if variant != "sdpa":
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
     n = N if variant == "sdpa" else N // world  # tokens held by this process
-    fn = {"sdpa": F.scaled_dot_product_attention, "ring": RA.ring_attention, "torch": RA.torch_cp_attention}[variant]
+    fn = {"sdpa": F.scaled_dot_product_attention, "ring": RA.ring_attention, "torch": torch_cp_attention}[variant]
     g = torch.Generator().manual_seed(rank)
     small = [torch.randn(B, H, 256, D, generator=g, requires_grad=True) for _ in range(3)]
     fn(*small).sum().backward()  # warm-up: kernels and communicators initialised outside the timing

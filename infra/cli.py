@@ -6,7 +6,7 @@ How every command ends: the project's own errors as one `error:` line and an exi
 A command's (inline, crossline, time) options are read by triple(), its other checks made by need().
 
 Exit codes: 0 done; 2 bad input (configurator.ConfigError, reader.DataError, a ring that disagrees with
-PyTorch's: ring_attention.CPMismatchError; another live run in out_dir: lease.LeaseHeld); 3 a diverged run
+PyTorch's: infra/torch_cp.py's CPMismatchError; another live run in out_dir: lease.LeaseHeld); 3 a diverged run
 (FloatingPointError); 4 the run's surroundings refused it (checkpoint.StorageError: no space, over quota, read-only;
 lease.LeaseLost: another run took out_dir over); train.py's stopped-at-a-checkpoint code (stop.RESUMABLE, 75)
 passes through. Under torchrun only rank 0 prints the line (every rank would say the same; the others give it
@@ -27,7 +27,7 @@ from infra import distributed, stop
 from infra.checkpoint import StorageError
 from infra.lease import LeaseLost
 from infra.reader import DataError
-from ring_attention import CPMismatchError
+from infra.torch_cp import CPMismatchError
 
 BAD_INPUT = (ConfigError, DataError, CPMismatchError)
 RANK_0_GRACE_S = 10.0  # how long another rank's bad input waits for rank 0 to report the same (see run)

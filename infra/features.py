@@ -85,7 +85,7 @@ def window_model(path, checkpoint, crop, cp, cp_group, device):
     model, _ = modelfile.load(path, map_location="cpu")
     prepare(model, crop, cp)
     model.to(device).eval()
-    model.set_context_parallel(cp_group, "ring")
+    model.set_context_parallel(cp_group)
     return model
 
 

@@ -6,7 +6,9 @@ import torch
 import torch.distributed as dist
 
 import model as M
+import ring_attention as RA
 from dist_util import run_ranks
+from infra.torch_cp import torch_cp_attention
 
 
 def _make(strata):
@@ -25,7 +27,7 @@ def _check_cp_equals_single(rank, W, impl):
     loss_ref.backward()
     # context parallel: this rank's slab of inline planes, its share of the noise
     m = _make(W)
-    m.set_context_parallel(dist.group.WORLD, impl)
+    m.set_context_parallel(dist.group.WORLD, {"ring": RA.ring_attention, "torch": torch_cp_attention}[impl])
     Z, Lr = 32 // W, 48 // W
     sl = slice(rank * Lr, (rank + 1) * Lr)
     loss, pred, mask = m(x[:, :, rank * Z:(rank + 1) * Z], noise[:, sl])

@@ -1,11 +1,14 @@
-"""Ring attention on real gloo ranks against full F.scaled_dot_product_attention: outputs and gradients."""
+"""Ring attention on real gloo ranks against full F.scaled_dot_product_attention: outputs and gradients; PyTorch's ring
+(infra/torch_cp.py) against both, and its guard; the ring's block maths in one process (bench/ring_sim.py)."""
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import ring_attention as RA
+from bench.ring_sim import simulate_ring
 from dist_util import run_ranks
+from infra import torch_cp as TC
 
 CASES = [  # (dtype, head dim, N_local, heads, tolerance)
     (torch.float32, 32, 13, 2, 1e-5),
@@ -87,7 +90,7 @@ def _check_torch_cp(rank, W):
         (q, k, v, dout), refs = _reference(100 + i, W, dtype, d, n, h)
         sl = slice(rank * n, (rank + 1) * n)
         got = {}
-        for name, fn in (("torch", RA.torch_cp_attention), ("ring", RA.ring_attention)):
+        for name, fn in (("torch", TC.torch_cp_attention), ("ring", RA.ring_attention)):
             x = [t[:, :, sl].clone().requires_grad_() for t in (q, k, v)]
             out = fn(*x)
             out.backward(dout[:, :, sl])
@@ -121,17 +124,17 @@ class _LocalBackward:
 
 
 def _check_guard_refuses(rank, W):
-    real = RA._torch_ring
-    RA._torch_ring = lambda: _LocalBackward(real())
+    real = TC._torch_ring
+    TC._torch_ring = lambda: _LocalBackward(real())
     try:
-        with pytest.raises(RA.CPMismatchError, match="cp_impl='torch' disagrees with ring_attention"):
-            RA.verify_torch_cp(dist.group.WORLD, torch.device("cpu"), torch.float32, 32)
+        with pytest.raises(TC.CPMismatchError, match="cp_impl='torch' disagrees with ring_attention"):
+            TC.verify_torch_cp(dist.group.WORLD, torch.device("cpu"), torch.float32, 32)
         q = torch.randn(1, 2, 8, 32)
-        with pytest.raises(RA.CPMismatchError):  # and the attention call itself refuses, on every rank
-            RA.torch_cp_attention(q, q, q)
+        with pytest.raises(TC.CPMismatchError):  # and the attention call itself refuses, on every rank
+            TC.torch_cp_attention(q, q, q)
     finally:
-        RA._torch_ring = real
-    RA.verify_torch_cp(dist.group.WORLD, torch.device("cpu"), torch.float32, 32)  # the real one passes
+        TC._torch_ring = real
+    TC.verify_torch_cp(dist.group.WORLD, torch.device("cpu"), torch.float32, 32)  # the real one passes
 
 
 def test_torch_cp_guard_refuses_a_wrong_backward():
@@ -144,7 +147,7 @@ def test_simulated_ring_matches_full_attention_on_this_device():
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(qr, kr, vr)
     ref.backward(dout)
-    out, (dq, dk, dv) = RA.simulate_ring(q, k, v, 4, dout=dout)
+    out, (dq, dk, dv) = simulate_ring(q, k, v, 4, dout=dout)
     for a, b in zip((out, dq, dk, dv), (ref, qr.grad, kr.grad, vr.grad)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
