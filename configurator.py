@@ -11,12 +11,17 @@ command-line order, and checks every change:
   * the value must have the default's type (an int is accepted where a float is expected).
 Values are parsed with ast.literal_eval, so --crop=(64,64,64) is a tuple and --data_paths=['a','b'] a
 list; a value that does not parse is taken as a string (--out_dir=out/run1). What a value may be (ranges,
-combinations) is train.check_config's job.
+combinations) is check_config's job, at the end of this file: every key's check beside the keys.
 """
 
 import ast
 import builtins
 import copy
+import importlib
+import math
+
+import ring_attention
+from model import SIZES, aligned_heads, build_model, token_grid
 
 
 # -----------------------------------------------------------------------------
@@ -122,6 +127,12 @@ class ConfigError(ValueError):
     """A bad override: the message names the key and the fix."""
 
 
+def need(ok, msg):
+    """A check of a key or a command's option: ConfigError(msg) unless ok (msg names the problem and the fix)."""
+    if not ok:
+        raise ConfigError(msg)
+
+
 def _check(cfg, key, value, where):
     if key not in cfg:
         close = [k for k in cfg if k.split("_")[0] == key.split("_")[0]][:5]
@@ -185,3 +196,126 @@ def defaults():
     """Every config key with its default (the block above), as a fresh dict: train.py's config, the planner's,
     the benches'. A copy, so that a run's changes never reach another's."""
     return copy.deepcopy({k: globals()[k] for k in KEYS})
+
+
+# -----------------------------------------------------------------------------
+# checking them: what a value may be (ranges, combinations), everything that can be checked before any work
+
+# The numeric keys' ranges: (least, most, whether the least itself is allowed); None: no bound. Every int or float
+# key is here or checked below with a message of its own (tests/test_errors.py holds every key to a bad value).
+BOUNDS = {k: (1, None, True) for k in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval",
+                                       "keep_ckpts", "in_flight", "prefetch", "zero_bucket", "zero3_max_live",
+                                       "max_open_stores", "eval_interval", "nodes", "seg_features")}
+BOUNDS.update({k: (0, None, True) for k in ("read_retries", "warmup_steps", "min_lr", "weight_decay", "grad_clip",
+                                            "stop_step", "seed", "gpus_per_node", "stop_lead_s", "lease_min_s")})
+BOUNDS.update({k: (0, None, False) for k in ("blr", "read_timeout_s", "ckpt_write_gbps", "lease_stale",
+                                             "gpu_peak_flops")})
+BOUNDS["min_live"] = (0, 1, True)
+
+
+def check_heads(cfg):
+    """heads / dec_heads: 0 (the size's own) or a count that divides the stack's width (model.SIZES)."""
+    dim, _, own, dec_dim, _, dec_own = SIZES[cfg["model_size"]]
+    for key, width, h0 in (("heads", dim, own), ("dec_heads", dec_dim, dec_own)):
+        h = cfg[key]
+        good = aligned_heads(width)
+        need(isinstance(h, int) and not isinstance(h, bool) and h >= 0 and (h == 0 or width % h == 0),
+             f"{key}={h!r}: 0 (model_size {cfg['model_size']!r}'s own {h0}) or a count that divides its width "
+             f"{width}" + (f", e.g. {good} (heads of {width // good})" if good else ""))
+
+
+def check_config(cfg):
+    """Every key's value and every combination, before any work: ConfigError naming the problem and the fix.
+    The paths a run writes are checked by train.check (infra/outputs.py), the data's own rules by data.Sampler."""
+    need(cfg["model_size"] in SIZES, f"model_size {cfg['model_size']!r} unknown; choose one of {list(SIZES)}")
+    check_heads(cfg)
+    for key, (lo, hi, closed) in BOUNDS.items():
+        v = cfg[key]
+        need(math.isfinite(v) and (v >= lo if closed else v > lo) and (hi is None or v <= hi),
+             f"{key} must be {'>=' if closed else '>'} {lo}{f' and <= {hi}' if hi is not None else ''}, got {v!r}")
+    need(all(0 <= cfg[b] < 1 for b in ("beta1", "beta2")),
+         f"beta1 and beta2 (AdamW's) must be in [0, 1), got {cfg['beta1']}, {cfg['beta2']}")
+    for key in ("crop", "patch", "synthetic_shape", "synthetic_chunks", "store_chunks"):
+        v = cfg[key]
+        need(len(v) == 3 and all(isinstance(a, int) and a > 0 for a in v),
+             f"{key} must be 3 positive ints (inline, crossline, time), got {v!r}")
+    need(all(c % p == 0 for c, p in zip(cfg["crop"], cfg["patch"])),
+         f"crop {cfg['crop']} is not divisible by patch {cfg['patch']} along every axis: choose a crop that is a "
+         f"multiple of the patch, e.g. {tuple(max(p, c // p * p) for c, p in zip(cfg['crop'], cfg['patch']))}")
+    check_masking(cfg)
+    grid = token_grid(cfg["crop"], cfg["patch"])
+    L = math.prod(grid)
+    # context parallelism
+    cp, strata = cfg["cp"], cfg["mask_strata"] or cfg["cp"]
+    need(cp >= 1, f"cp must be >= 1, got {cp}")
+    need(cfg["cp_impl"] in ("ring", "torch"), f"cp_impl must be 'ring' or 'torch', got {cfg['cp_impl']!r}")
+    need(grid[0] % cp == 0,
+         f"the token grid {grid} cannot be split evenly over cp={cp} ranks: each rank holds grid[0]/cp inline "
+         f"slabs, so crop[0]/patch[0] = {grid[0]} must be a multiple of cp (e.g. crop[0] = "
+         f"{cfg['patch'][0] * cp * max(1, round(grid[0] / cp))})")
+    need(cfg["mask_strata"] >= 0, "mask_strata must be >= 0 (0 = cp)")
+    need(strata % cp == 0 and L % strata == 0,
+         f"mask_strata {strata} must be a multiple of cp={cp} and divide the {L} tokens")
+    m = build_model({**cfg, "mask_strata": 0, "cp": 1}, device="meta")  # (shapes only: head dims, block count)
+    if cp > 1:  # the ring runs on the fused attention kernels: check their head dims now
+        for blk in (*m.blocks[:1], *m.decoder_blocks[:1]):  # (a segmenter with the UNETR head has no decoder)
+            d = blk.qkv.in_features // blk.heads
+            try:
+                ring_attention.check_head_dim(d)
+            except ValueError as e:
+                raise ConfigError(f"model_size {cfg['model_size']!r} ({blk.heads} heads of {d}) with "
+                                               f"cp={cp}: {e}; set heads / dec_heads for head dims of 64 or 128") from None
+    n_blocks = len(m.blocks) + len(m.decoder_blocks)
+    need(-1 <= cfg["ckpt_blocks"] <= n_blocks, f"ckpt_blocks={cfg['ckpt_blocks']}: -1 (every block) or a number "
+                                               f"of blocks up to the {n_blocks} of model_size {cfg['model_size']!r}")
+    need(cfg["read_threads"] >= 0, f"read_threads must be >= 0 (0: one per CPU of this rank), got {cfg['read_threads']}")
+    # the words
+    need(cfg["sample_weighting"] in ("volume", "uniform", "manifest"),
+         f"sample_weighting must be 'volume', 'uniform' or 'manifest', got {cfg['sample_weighting']!r}")
+    need(cfg["dtype"] in ("auto", "float32", "bfloat16"), f"dtype must be auto|float32|bfloat16, got {cfg['dtype']!r}")
+    need(cfg["strategy"] in ("zero2", "zero3", "fsdp2"), f"strategy must be zero2|zero3|fsdp2, got {cfg['strategy']!r}")
+    need(not cfg["s3_endpoint"] or cfg["s3_endpoint"].startswith(("http://", "https://")),
+         f"s3_endpoint must be an http:// or https:// URL (or '' for AWS), got {cfg['s3_endpoint']!r}")
+    # the data and the run's folder
+    for key in ("data_paths", "val_paths"):
+        need(all(isinstance(p, str) and p.strip() for p in cfg[key]),
+             f"{key} must be a list of store paths, URLs, glob patterns or @manifests (strings), got {cfg[key]!r}")
+    need(len(cfg["data_paths"]) >= 1, "data_paths is empty: list at least one MDIO/Zarr store")
+    need(0.0 <= cfg["val_frac"] < 1.0, f"val_frac must be in [0, 1) (0 = no validation), got {cfg['val_frac']}")
+    need(cfg["eval_samples"] >= 1, f"eval_samples must be >= 1, got {cfg['eval_samples']} (val_frac=0 and no "
+                                   f"val_paths switch validation off)")
+    need(not cfg["eval_only"] or cfg["val_paths"] or cfg["val_frac"] > 0,
+         "eval_only=True needs a validation set: val_paths, or val_frac > 0 as the run had")
+    if cfg["figures"]:
+        try:
+            importlib.import_module("matplotlib")  # drawn at the first evaluation, after the setup
+        except ImportError as e:
+            raise ConfigError(f"figures=True needs matplotlib ({e}): pip install matplotlib (it is in "
+                                           f"requirements.txt), or set figures=False") from None
+    # fine-tuning
+    need(cfg["task"] in ("mae", "segment"), f"task must be 'mae' (pretraining) or 'segment' (fine-tuning), got "
+                                            f"{cfg['task']!r}")
+    need(cfg["classes"] >= 2, f"classes must be >= 2 (2: binary, e.g. fault / no fault), got {cfg['classes']}")
+    need(cfg["pos_weight"] > 0, f"pos_weight must be > 0 (1: unweighted), got {cfg['pos_weight']}")
+    need(cfg["seg_head"] in ("unetr", "linear"), f"seg_head must be 'unetr' or 'linear', got {cfg['seg_head']!r}")
+    need(cfg["task"] != "segment" or cfg["seg_head"] != "unetr" or all(p & (p - 1) == 0 for p in cfg["patch"]),
+         f"seg_head='unetr' upsamples tokens to voxels by factors of 2: every patch side must be a power of two, got "
+         f"patch {tuple(cfg['patch'])} (or seg_head='linear')")
+    need(0 < cfg["layer_decay"] <= 1, f"layer_decay must be in (0, 1] (1: off; MAE fine-tunes with 0.75), got "
+                                      f"{cfg['layer_decay']}")
+    need(cfg["task"] != "segment" or bool(cfg["label_var"]),
+         "task='segment' needs label_var: the stores' class variable (e.g. 'fault')")
+    if cfg["tensorboard"]:
+        try:
+            importlib.import_module("torch.utils.tensorboard")  # fail now, not after hours of training
+        except ImportError as e:
+            raise ConfigError(f"tensorboard=True but torch.utils.tensorboard cannot be imported ({e}): "
+                                           f"pip install tensorboard, or drop tensorboard=True") from None
+
+
+def check_masking(cfg):
+    """mask_ratio in (0, 1), leaving at least one visible token of the crop's (scripts/reconstruct.py asks too)."""
+    need(0.0 < cfg["mask_ratio"] < 1.0, f"mask_ratio must be in (0, 1), got {cfg['mask_ratio']}")
+    L = math.prod(token_grid(cfg["crop"], cfg["patch"]))
+    need(int(L * (1 - cfg["mask_ratio"])) >= 1,
+         f"mask_ratio {cfg['mask_ratio']} leaves no visible token out of {L}: lower it or use a larger crop")

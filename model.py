@@ -7,7 +7,8 @@ Read top to bottom:
   3. masking                   per-sample random masking by argsort of noise (the MAE recipe)
   4. attention + Block         every attention call goes through `attention()`
   5. MAE                       encoder on visible tokens + cls, decoder on all tokens, loss
-  6. model sizes               one-line functions, tiny .. G; build_model(cfg): the MAE of a config
+  6. configure_optimizers      AdamW and its parameter groups (weight decay, layer decay): the one optimizer
+  7. model sizes               one-line functions, tiny .. G; build_model(cfg): the MAE of a config
 
 Axis convention. A volume is (inline, crossline, time), the MDIO order. In torch it is a tensor
 (B, 1, Z, Y, X) with Z = inline, Y = crossline, X = time, i.e. Conv3d's (D, H, W). A token grid is
@@ -514,7 +515,49 @@ def pred_to_voxels(pred, patches, norm_pix_loss=False):
 
 
 # -----------------------------------------------------------------------------
-# 6. model sizes (encoder width / depth / heads after ViT; the decoder narrower and shallower, after MAE)
+# 6. the optimizer: AdamW, as MAE pretrains and fine-tunes. The one place it is made: every strategy steps the
+# optimizer built here (infra/strategies.py wraps it), the planner counts its state (ADAMW_STATE_BYTES), and the
+# label-efficiency benchmark's U-Net trains with it too. To try another optimizer, edit this function.
+
+ADAMW_STATE_BYTES = 8  # per parameter: AdamW's two moments (exp_avg, exp_avg_sq), fp32 (infra/plan.py counts them)
+
+
+def configure_optimizers(model, cfg, lr):
+    """AdamW(lr, betas=(beta1, beta2)) over `model`'s parameters, in groups:
+      weight decay (cfg["weight_decay"]) on weight matrices and conv kernels only; none on biases, norms and the
+        cls / mask tokens (p.ndim < 2, or "token" in the name);
+      fine-tuning with layer_decay < 1 (task="segment", MAE's recipe): one group per encoder depth k, each with
+        lr_scale = layer_decay^(depth + 1 - k): k = 0 the patch embedding and cls token, k = i + 1 block i,
+        k = depth + 1 (scale 1) the final norm and the head. Deep layers move at the full lr, the patch embedding
+        least: it learnt the most general features in pretraining.
+    train.py's train_step sets each group's lr to the schedule's x its lr_scale (1 where a group has none)."""
+    def decays(n, p):
+        return p.ndim >= 2 and "token" not in n
+    if cfg.get("task") != "segment" or cfg.get("layer_decay", 1.0) >= 1.0:
+        named = list(model.named_parameters())
+        groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": cfg["weight_decay"]},
+                  {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
+    else:
+        depth = len(model.blocks)
+
+        def layer(n):
+            if n.startswith(("patch_embed", "cls_token")):
+                return 0
+            if n.startswith("blocks."):
+                return int(n.split(".")[1]) + 1
+            return depth + 1
+        by_key = {}
+        for n, p in model.named_parameters():
+            k, wd = layer(n), decays(n, p)
+            g = by_key.setdefault((k, wd), {"params": [], "weight_decay": cfg["weight_decay"] if wd else 0.0,
+                                            "lr_scale": cfg["layer_decay"] ** (depth + 1 - k)})
+            g["params"].append(p)
+        groups = [by_key[k] for k in sorted(by_key)]
+    return torch.optim.AdamW(groups, lr=lr, betas=(cfg["beta1"], cfg["beta2"]))
+
+
+# -----------------------------------------------------------------------------
+# 7. model sizes (encoder width / depth / heads after ViT; the decoder narrower and shallower, after MAE)
 #
 # One line per size. `heads` and `dec_heads` are the published ViTs' head counts; a config may override them
 # (config keys heads / dec_heads, 0 = these): the widths fix every parameter (qkv is C x 3C whatever the split), the

@@ -156,6 +156,7 @@ def _base_step(smoke, dev, out_dir, name):
     CUDA events around the encoder's and the decoder's blocks, max_memory_allocated and the allocator's retries,
     beside infra/plan.py's plan of the same config on 1 GPU. Pass (GPU): the step's time less the data wait, and
     max_memory_allocated, within 20 % of the planner's step_s and memory per GPU; every loss finite."""
+    import configurator
     import train
     from infra import plan as P
     heads = (SMOKE_HEADS if smoke else HEADS)[name]
@@ -167,7 +168,7 @@ def _base_step(smoke, dev, out_dir, name):
         "--eval_interval=1000000", "--ckpt_interval=1000000", "--make_synthetic=False", f"--out_dir={run}",
         f"--data_paths=['{store}']", *(f"--{k}={v}" for k, v in heads.items()),
         *([*SMOKE_MODEL, "--crop=(32,32,64)", "--patch=(8,8,16)"] if smoke else [])])
-    train.check_config(cfg)
+    configurator.check_config(cfg)
     store_s = _synthetic_store(store, tuple(cfg["crop"]), (16, 16, 32) if smoke else (128, 128, 128))
     warm, timed = (1, 2) if smoke else (2, 5)
     job = train.setup(cfg)
@@ -184,7 +185,7 @@ def _base_step(smoke, dev, out_dir, name):
                 t0 = time.perf_counter()
             if s >= warm:
                 timer.begin()
-            loss, _, w, _ = train.train_step(job, s, batches)
+            loss, _, w = train.train_step(job, s, batches)
             losses.append(loss)
             wait += w if s >= warm else 0.0
         _sync(dev)
@@ -244,14 +245,14 @@ def _rank_step(smoke, dev, out_dir, name):
     import data
     import model as M
     import ring_attention as RA
-    import train
+    import configurator
     from bench.ring_sim import SelfRing
     from infra import plan as P
     heads = (SMOKE_HEADS if smoke else HEADS)[name]
     cfg = _config("big_context.py", [*(f"--{k}={v}" for k, v in heads.items()),
                                      *([*SMOKE_MODEL, "--crop=(64,32,64)", "--patch=(8,8,16)", "--ckpt_blocks=3"]
                                        if smoke else [])])
-    train.check_config(cfg)
+    configurator.check_config(cfg)
     world, W = cfg["nodes"] * cfg["gpus_per_node"], cfg["cp"]
     p = P.plan(cfg, world, gpu=_gpu_kind(dev), gpus_per_node=cfg["gpus_per_node"])
     dist = _init_world_1()

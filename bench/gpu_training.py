@@ -33,7 +33,7 @@ def sec_bf16_step(smoke, dev, out_dir):
     configurator.apply(cfg, [os.path.join(HERE, "config/quickstart.py"), "--dtype=bfloat16", "--strategy=zero2",
                              f"--out_dir={out_dir}/bf16_step", f"--data_paths=['{out_dir}/bf16_step/qs.mdio']"]
                     + (SMOKE_BATCH if smoke else []))
-    train.check_config(cfg)
+    configurator.check_config(cfg)
     job = train.setup(cfg)
     batches = train.micro_batches(job, 0, steps)
     losses = []

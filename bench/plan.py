@@ -130,7 +130,7 @@ def _memory_worker(argv):
     torch.set_num_threads(1)
     cfg = configurator.defaults()
     configurator.apply(cfg, argv)
-    train.check_config(cfg)
+    configurator.check_config(cfg)
     steps = 3  # step 0 creates Adam's state; steps 1 and 2 are alike; we read step 2
     if torch.cuda.is_available():  # on a GPU (bench/gpu.py): the caching allocator's own counters
         job = train.setup(cfg)
@@ -304,8 +304,8 @@ def memory_table(rows):
 
 def bench_plan(argv):
     """The plan of a config (infra/plan.py) with the checks of its terms on this machine, JSON last."""
-    import train
-    cfg, p = config_plan(argv, train.check_config)
+    import configurator
+    cfg, p = config_plan(argv, configurator.check_config)
     report(p, " ".join(a for a in argv if not a.startswith("--")) or "defaults")
     crow, worst = calibrate()
     print("\nplanner terms vs measurements on small configs (fp32, this machine):")

@@ -31,7 +31,7 @@ import time
 import torch
 
 import configurator
-from infra import cli, modelfile, synthetic
+from infra import modelfile, synthetic
 from infra.features import prepare
 from infra.plan import table
 
@@ -78,12 +78,12 @@ def bench_predict(argv):
     a = {"cases": "quickstart,large", "seed": 0}
     for arg in argv:
         k, _, v = arg.lstrip("-").partition("=")
-        cli.need(k in a and v, f"bench predict takes --cases=NAME,NAME ({', '.join(CASES)}) and --seed=N, not {arg!r}")
+        configurator.need(k in a and v, f"bench predict takes --cases=NAME,NAME ({', '.join(CASES)}) and --seed=N, not {arg!r}")
         a[k] = v if k == "cases" else int(v)
     cases = a["cases"].split(",")
-    cli.need(all(c in CASES for c in cases), f"--cases={a['cases']!r}: from {', '.join(CASES)}")
+    configurator.need(all(c in CASES for c in cases), f"--cases={a['cases']!r}: from {', '.join(CASES)}")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    cli.need(device.type == "cuda" or "production" not in cases,
+    configurator.need(device.type == "cuda" or "production" not in cases,
              "--cases=production needs a GPU (a 102,400-token window through ViT-L and every voxel of it through the "
              "UNETR head would take hours on a CPU): run it on one, or choose quickstart,large")
     env = dict(os.environ)

@@ -43,13 +43,12 @@ def bench_step(argv, warmup=3, steps=10):
     --compile_compare=True: the config eager, then with compile=True (each block torch.compile'd; the compile
     happens in the warm-up steps and is timed apart), side by side; the ratio in the JSON line."""
     import configurator
-    import train
     cfg = configurator.defaults()
     extra = {"ckpt_sweep": False, "compile_compare": False}
     args = [a for a in argv if not any(a.startswith(f"--{k}=") for k in extra)]
     configurator.apply(extra, [a for a in argv if a not in args])
     configurator.apply(cfg, args)
-    train.check_config(cfg)
+    configurator.check_config(cfg)
     if extra["ckpt_sweep"]:
         return _ckpt_sweep(cfg, args, warmup, steps)
     if extra["compile_compare"]:
@@ -212,9 +211,9 @@ def bench_attention(argv):
     configurator.apply(opts, argv)
     cli.positive(opts)
     B, H, N, D, P = opts["batch"], opts["heads"], opts["n"], opts["dim"], opts["ranks"]
-    cli.need(N % P == 0, f"--n={N} must divide by --ranks={P}")
+    configurator.need(N % P == 0, f"--n={N} must divide by --ranks={P}")
     variants = opts["only"].split(",")
-    cli.need(set(variants) <= {"sdpa", "ring", "torch"}, f"--only={opts['only']!r}: some of sdpa, ring, torch")
+    configurator.need(set(variants) <= {"sdpa", "ring", "torch"}, f"--only={opts['only']!r}: some of sdpa, ring, torch")
     res = {v: _run_attention(v, P, B, H, N, D, opts["iters"]) for v in variants}
     rows = []
     flops = 4 * B * H * N * N * D  # forward matmul FLOPs of the whole attention

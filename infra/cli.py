@@ -3,7 +3,7 @@ How every command ends: the project's own errors as one `error:` line and an exi
 
     sys.exit(cli.run(main, sys.argv[1:]))
 
-A command's (inline, crossline, time) options are read by triple(), its other checks made by need().
+A command's (inline, crossline, time) options are read by triple(), its other checks made by configurator.need().
 
 Exit codes: 0 done; 2 bad input (configurator.ConfigError, reader.DataError, a ring that disagrees with
 PyTorch's: infra/torch_cp.py's CPMismatchError; another live run in out_dir: lease.LeaseHeld); 3 a diverged run
@@ -33,12 +33,6 @@ BAD_INPUT = (ConfigError, DataError, CPMismatchError)
 RANK_0_GRACE_S = 10.0  # how long another rank's bad input waits for rank 0 to report the same (see run)
 REFUSED = (StorageError, LeaseLost)  # not the input, not a bug: the disk, or another run
 INTERRUPTED = stop.INTERRUPTED
-
-
-def need(ok, msg):
-    """A command's option check: ConfigError(msg) unless ok (msg names the option and the fix)."""
-    if not ok:
-        raise ConfigError(msg)
 
 
 def positive(opts, zero_ok=()):

@@ -3,7 +3,8 @@ One run per out_dir: a lease that the run's rank 0 takes before any work and kee
 
     check(cfg)                  the dry run (launch.sh, before torchrun): LeaseHeld if a live run holds out_dir
     acquire(cfg, log) -> Lease  rank 0, at setup: take it, take over a stale one (a warning), or raise LeaseHeld
-    Lease.refresh()             at every log line, evaluation and checkpoint: its mtime; LeaseLost if it is not ours
+    Lease.refresh()             at step boundaries (infra/ops.py: at most once a second) and around every
+                                checkpoint write: its mtime; LeaseLost if it is not ours
     Lease.release()             the run's end (clean, stopped, failed on rank 0, or its launcher killed)
 
 Why: two runs in one out_dir (a double sbatch, a requeue racing a manual relaunch, an auto-resume while the old job
@@ -25,13 +26,14 @@ Taking it:
         job id, and SLURM ends a job's old processes before it starts them again);
       - it has not been refreshed for lease_stale x the time between two refreshes, and at least lease_min_s
         (a holder on another host, whose process this host cannot see). The time between two refreshes is
-        log_interval steps at the step time measured last (out_dir/log.jsonl's newest records) or, before any
+        taken as at most log_interval steps (a refresh comes at every step boundary a second after the last) at
+        the step time measured last (out_dir/log.jsonl's newest records) or, before any
         step was logged, the planner's, plus an evaluation and a checkpoint write (the planner's).
     Two runs that find the same stale lease race for it by creating LEASE.takeover.<its id> exclusively: the one
     that creates it replaces LEASE (a rename), the other refuses. A takeover claim left by a run that died in
     between (older than a minute) is removed, and the race is run again.
   * a refresh reads LEASE back first: a run whose lease was taken over (judged stale while it was stuck) learns it
-    at its next log line or checkpoint and stops (LeaseLost) before it can write into the out_dir again.
+    at its next step boundary or checkpoint and stops (LeaseLost) before it can write into the out_dir again.
 """
 import json
 import os

@@ -17,7 +17,7 @@ import argparse
 import math
 
 import configurator
-from model import SIZES, aligned_heads, build_model, head_counts
+from model import ADAMW_STATE_BYTES, SIZES, aligned_heads, build_model, head_counts
 
 
 def table(rows, header):
@@ -95,12 +95,14 @@ def state_bytes(n, strategy, W, d, cfg, on_gpu=True):
       opt:        added during the optimizer step.
     n = param_counts(model); d = bytes per element of the compute dtype (2 bf16, 4 fp32); gradients are reduced
     and kept in fp32 (train.py: communication_data_type and grad_accum_dtype, FSDP2's reduce_dtype). Under every
-    strategy Adam keeps fp32 master weights (4 bytes) and m, v (8 bytes) for this rank's share P/W: 12 P/W. Each
+    strategy Adam keeps fp32 master weights (4 bytes) and m, v (model.ADAMW_STATE_BYTES) for this rank's share P/W:
+    (4 + ADAMW_STATE_BYTES) P/W. Each
     other term is a tensor that DeepSpeed 0.19 / PyTorch 2.13 allocate (found with the profiler and in their source); memory_check measures
     them on CPU. What differs on a GPU (on_gpu) is taken from the source, not measured: two reduce buckets
     (overlap_comm), AdamW's foreach step (one temporary per group where the CPU's per-tensor step makes two),
     and no gloo copies."""
     P, Pw, blk, B = n["P"], n["P"] / W, n["block"], cfg["zero_bucket"]
+    master_adam = 4 + ADAMW_STATE_BYTES  # per parameter of this rank's share: the fp32 master and AdamW's moments
     Bn = min(B, P)  # a bucket never holds more gradients than there are
     to32 = 4 if d != 4 else 0  # a cast to fp32 for the reduction (none when the compute dtype is fp32)
     if strategy == "fsdp2":  # AdamW over DTensor shards: foreach on GPU, per tensor on CPU
@@ -108,7 +110,7 @@ def state_bytes(n, strategy, W, d, cfg, on_gpu=True):
     else:  # DeepSpeed's optimizer sees one flat fp32 tensor per group: per tensor is the whole share
         adam_tmp = 4 * Pw if on_gpu else 2 * 4 * Pw
     if strategy == "zero2":
-        persistent = d * P + 12 * Pw  # weights replicated on every rank; master + Adam for this rank's share
+        persistent = d * P + master_adam * Pw  # weights replicated on every rank; master + Adam for this rank's share
         held = ((2 if on_gpu else 1) * d * B  # reduce bucket(s): two with overlap_comm (GPU)
                 + (d + to32) * Bn  # allreduce_bucket: a flat copy of the bucket, then its fp32 cast
                 + d * blk)  # one block's full gradients, before they are copied into the bucket
@@ -118,7 +120,7 @@ def state_bytes(n, strategy, W, d, cfg, on_gpu=True):
         opt = 4 * Pw + (4 * Pw if d == 4 else 0) + adam_tmp
     elif strategy == "zero3":
         persistent = (d * Pw  # weight shards
-                      + 12 * Pw  # master + Adam
+                      + master_adam * Pw  # master + Adam
                       + 4 * Pw  # the gradient share: a flat buffer, kept, in fp32 (grad_accum_dtype)
                       + d * n["small"]  # parameters too small to partition, whole on every rank
                       + 4 * B  # the reduce bucket, in the communication dtype (fp32)
@@ -134,7 +136,7 @@ def state_bytes(n, strategy, W, d, cfg, on_gpu=True):
         grads = 0.0  # (the share is the persistent flat buffer)
         opt = 4 * Pw + adam_tmp  # the fp32 copy of the gradient share, AdamW temporaries
     elif strategy == "fsdp2":
-        persistent = 12 * Pw  # fp32 weight shards (they are the master weights) and Adam m, v
+        persistent = master_adam * Pw  # fp32 weight shards (they are the master weights) and Adam m, v
         held = (d * n["root"]  # the parameters outside the blocks, unsharded from forward to backward
                 + 2 * d * blk  # this block and the prefetched next one, gathered in the compute dtype
                 + d * blk + 4 * blk  # a block's unsharded gradients and their fp32 reduce-scatter input
@@ -404,12 +406,12 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     # what a stop signal costs (stop.StopRequest), so that SLURM's warning before the time limit (launch.sh's
     # srun --signal=USR1@lead) leaves time for it: the step in progress and, on a GPU, one more (the stop flag is
     # read a step late), an evaluation that may be running (forwards only, priced as the step is: ceil(eval_samples
-    # / dp) samples per cp group), and the checkpoint write: fp32 master weights and AdamW's m and v (12 bytes per
-    # parameter, partitioned) and the weights in the compute dtype, at out_dir's write bandwidth.
+    # / dp) samples per cp group), and the checkpoint write: fp32 master weights and AdamW's m and v (4 +
+    # ADAMW_STATE_BYTES per parameter, partitioned) and the weights in the compute dtype, at out_dir's write bandwidth.
     has_val = bool(cfg["val_paths"]) or cfg["val_frac"] > 0
     eval_s = (math.ceil(cfg["eval_samples"] / (W // cp)) * sample_seconds(m, 0, g, mfu, train=False)["time"] / cp
               if has_val else 0.0)
-    ckpt_bytes = P * (12 + elem)
+    ckpt_bytes = P * (4 + ADAMW_STATE_BYTES + elem)
     ckpt_s = ckpt_bytes / (cfg["ckpt_write_gbps"] * 1e9)
     # x 1.5 for the planner's error, + 60 s: SLURM may send the signal up to a minute early or late (its timer)
     stop_lead = math.ceil(60 + 1.5 * (2 * step_s + eval_s + ckpt_s))
@@ -521,7 +523,7 @@ def report(p, name):
 
 def config_plan(argv, check=None):
     """(the config of argv: config files and --key=value over the defaults; its plan). check(cfg): the config check
-    to pass first (scripts/plan.py's: train.check_config, so that a config the run refuses is refused here too)."""
+    to pass first (scripts/plan.py's: configurator.check_config, so that a config the run refuses is refused here too)."""
     ap = argparse.ArgumentParser(prog="python -m scripts.plan", description=__doc__.split("\n")[1])
     ap.add_argument("configs", nargs="*", help="config files (config/*.py), then --key=value overrides, as train.py")
     ap.add_argument("--gpu", default="H200", help=f"one of {sorted(GPUS)}")

@@ -1,7 +1,7 @@
 """
 The stop protocol: a stop signal becomes a checkpoint that every rank agrees on, then a resumable exit.
 
-    StopRequest()            installs SIGTERM / SIGUSR1 / SIGINT handlers; train.py arms it once training starts
+    StopRequest()            installs SIGTERM / SIGUSR1 / SIGINT handlers; infra/ops.py arms it once training starts
     RESUMABLE                the exit code of a stopped run (75): run the same command again to continue
     INTERRUPTED              a Ctrl-C's (130, 128 + SIGINT): with a checkpoint or without, the shell's code for it
     write_stopped(out_dir)   out_dir/STOPPED, the one line launch.sh repeats last
@@ -43,10 +43,10 @@ class StopRequest:
     COMPLETE marker, so resume never takes it. Outside training (start-up, an evaluation-only run, after the last
     step) there is nothing to save: a signal then ends the process as if no handler were installed.
 
-    Agreement: each rank puts its flag into the all-reduce the step already does for the loss (train_step); the
-    sum is the same on every rank, so all stop after the same step. Reading that sum on the host is a sync; on a
-    GPU it is therefore copied without blocking and read one step later (`agreed`), when it has long arrived:
-    the stop comes one step later, and no step waits. After a checkpoint write (rare, and a sync anyway) the
+    Agreement: at each step boundary infra/ops.py all-reduces every rank's flag (`local`); the sum is the same on
+    every rank, so all stop after the same step. Reading that sum on the host is a sync; on a GPU it is therefore
+    copied without blocking and read one step later (`agreed`), when it has long arrived: the stop comes one step
+    later, and no step waits. After a checkpoint write (rare, and a sync anyway) the
     ranks agree once more (`agree_now`), so a signal that arrived during the write stops at that checkpoint."""
 
     def __init__(self):
@@ -80,11 +80,11 @@ class StopRequest:
             signal.signal(s, signal.SIG_IGN)
 
     def local(self):
-        """This rank's flag, for the step's all-reduce: 1.0 once a stop signal arrived."""
+        """This rank's flag, for the all-reduce at a step boundary: 1.0 once a stop signal arrived."""
         return 1.0 if self.signal else 0.0
 
     def agreed(self, total):
-        """True when the ranks agree to stop after this step. `total`: the step's all-reduced flags (a 1-element
+        """True when the ranks agree to stop after this step. `total`: the all-reduced flags (a 1-element
         tensor). On CPU it is read now; on a GPU the previous step's is read (see the class docstring)."""
         if total.device.type != "cuda":
             return total.item() > 0

@@ -1,7 +1,11 @@
 """
 The training strategies behind one engine: DeepSpeed ZeRO-2, DeepSpeed ZeRO-3, PyTorch FSDP2 (fully_shard).
 
-    engine, optimizer = build(model, cfg, peak_lr, dtype, device)
+    engine, optimizer = build(model, cfg, dtype, device, make_optimizer)
+
+make_optimizer(model) builds the optimizer (train.py passes model.configure_optimizers at the run's peak lr): a
+function, not an optimizer, because FSDP2 replaces the model's parameters with DTensor shards, and its optimizer
+must be built over those, after sharding. The strategies only wrap the model and the optimizer they are given.
 
 The engine is DeepSpeed's, or FSDP2Engine with the same few calls (engine(x, ids_keep=...), backward(loss),
 step(), save_checkpoint / load_checkpoint, .module), so train.py's loop and infra/checkpoint.py are one code path
@@ -19,15 +23,16 @@ import torch
 ZERO3_PERSIST = int(1e5)  # ZeRO-3 never partitions parameters of at most this many elements (DeepSpeed's default)
 
 
-def build(model, cfg, peak_lr, dtype, device):
-    """Wrap `model` (built and seeded identically on every rank) for cfg["strategy"]; AdamW at peak_lr (train.py
-    sets each step's lr in the optimizer's groups). torch.distributed must be initialised."""
+def build(model, cfg, dtype, device, make_optimizer):
+    """Wrap `model` (built and seeded identically on every rank) for cfg["strategy"], with the optimizer
+    make_optimizer(model) builds (train.py sets each step's lr in its groups). torch.distributed must be
+    initialised."""
     strategy, on_gpu = cfg["strategy"], device.type == "cuda"
     if strategy == "fsdp2":
-        engine = FSDP2Engine(model, cfg, peak_lr, dtype, device)
+        engine = FSDP2Engine(model, cfg, dtype, device, make_optimizer)
         return engine, engine.optimizer
     import deepspeed  # (train.py imported it first, after choosing DeepSpeed's accelerator)
-    optimizer = make_optimizer(model, cfg, peak_lr)
+    optimizer = make_optimizer(model)
     ds_config = {
         "train_micro_batch_size_per_gpu": cfg["micro_batch"],
         "gradient_accumulation_steps": cfg["grad_accum"],
@@ -166,42 +171,13 @@ def set_fp32_master(opt, p, value):
         part.data[: hi - lo].copy_(flat[lo:hi])
 
 
-def make_optimizer(model, cfg, lr):
-    """AdamW; weight decay on weight matrices and the conv kernel only (not biases, norms, cls/mask tokens).
-    Fine-tuning with layer_decay < 1 (MAE's recipe): one group per encoder depth, with lr_scale = layer_decay^(depth
-    + 1 - k) for block k - 1 (k = 1 .. depth), ^(depth + 1) for the patch embedding and cls token (k = 0), 1 for the
-    final norm and the head; train_step sets each group's lr to the schedule's x its lr_scale."""
-    def decays(n, p):
-        return p.ndim >= 2 and "token" not in n
-    if cfg.get("task") != "segment" or cfg.get("layer_decay", 1.0) >= 1.0:
-        decay = [p for n, p in model.named_parameters() if decays(n, p)]
-        no_decay = [p for n, p in model.named_parameters() if not decays(n, p)]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
-                                  {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(cfg["beta1"], cfg["beta2"]))
-    depth = len(model.blocks)
-
-    def layer(n):
-        if n.startswith(("patch_embed", "cls_token")):
-            return 0
-        if n.startswith("blocks."):
-            return int(n.split(".")[1]) + 1
-        return depth + 1
-    groups = {}
-    for n, p in model.named_parameters():
-        k, wd = layer(n), decays(n, p)
-        g = groups.setdefault((k, wd), {"params": [], "weight_decay": cfg["weight_decay"] if wd else 0.0,
-                                        "lr_scale": cfg["layer_decay"] ** (depth + 1 - k)})
-        g["params"].append(p)
-    return torch.optim.AdamW([groups[k] for k in sorted(groups)], lr=lr, betas=(cfg["beta1"], cfg["beta2"]))
-
-
 class FSDP2Engine:
     """PyTorch FSDP2 (fully_shard) behind the few calls of the DeepSpeed engine that this file uses:
     engine(x, ids_keep=...), backward(loss), step(), save_checkpoint / load_checkpoint, .module. So the training
     loop is the same for every strategy, and so are the gradient semantics: FSDP2 reduce-scatters the mean
     over the whole world, as ZeRO does; backward divides by grad_accum, as DeepSpeed's engine does."""
 
-    def __init__(self, model, cfg, lr, dtype, device):
+    def __init__(self, model, cfg, dtype, device, make_optimizer):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
@@ -210,7 +186,7 @@ class FSDP2Engine:
             fully_shard(blk, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)  # the rest: embeddings, tokens, norms, heads
         self.module, self.cfg, self.micro = model, cfg, 0
-        self.optimizer = make_optimizer(model, cfg, lr)  # after sharding: it steps the local shards
+        self.optimizer = make_optimizer(model)  # after sharding: it steps the local shards
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -104,7 +104,7 @@ def main(argv):
     a = parse(argv)
     rank, world, device = distributed.init()  # torchrun's ranks, or a world of 1
     cp = a.cp
-    cli.need(a.batch >= 0, f"--batch={a.batch}: windows per forward pass, >= 1 (0: as many as fit "
+    configurator.need(a.batch >= 0, f"--batch={a.batch}: windows per forward pass, >= 1 (0: as many as fit "
                            f"{BATCH_TOKENS:,} tokens)")
     if cp < 1 or world % cp:
         raise configurator.ConfigError(f"--cp={cp} must divide the world size {world}")

@@ -35,11 +35,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+import configurator
 import data
 from infra import cli, modelfile, outputs, synthetic
 from infra.plan import table
 from infra.progress import Progress
-from model import SIZES, seg_loss
+from model import SIZES, configure_optimizers, seg_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,10 +102,7 @@ def train_unet(paths, a, seed):
     import train
     torch.manual_seed(seed)
     net = UNet3D().to(DEVICE)
-    decay = [p for p in net.parameters() if p.ndim >= 2]
-    rest = [p for p in net.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": rest, "weight_decay": 0.0}],
-                            betas=(0.9, 0.95))
+    opt = configure_optimizers(net, {**configurator.defaults(), "weight_decay": 0.05}, a.lr)  # (the ViT runs' AdamW)
     cfg = {"warmup_steps": a.warmup, "max_steps": a.finetune_steps, "min_lr": 0.0}
     sampler = data.Sampler(paths, a.crop, seed=seed, micro_batch=a.batch, label_var="fault",
                            weighting="volume")  # (train.py's default sample_weighting: the same draws)
@@ -166,24 +164,24 @@ def check_options(a):
         counts = [int(n) for n in a.labels.split(",")]
     except ValueError:
         counts = []
-    cli.need(counts and min(counts) >= 1, f"--labels={a.labels!r}: labelled volumes per fine-tuning, positive "
+    configurator.need(counts and min(counts) >= 1, f"--labels={a.labels!r}: labelled volumes per fine-tuning, positive "
                                           f"integers separated by commas, e.g. --labels=1,4")
     for name, least in (("seeds", 1), ("seed", 0), ("shape", 1), ("unlabelled", 1), ("test", 1),
                         ("pretrain_steps", 1), ("pretrain_batch", 1), ("finetune_steps", 1), ("batch", 1),
                         ("warmup", 0), ("seg_features", 1)):
-        cli.need(getattr(a, name) >= least, f"--{name}={getattr(a, name)} must be >= {least}")
+        configurator.need(getattr(a, name) >= least, f"--{name}={getattr(a, name)} must be >= {least}")
     for name in ("lr", "pretrain_blr", "pos_weight"):
-        cli.need(math.isfinite(getattr(a, name)) and getattr(a, name) > 0, f"--{name}={getattr(a, name)} must be > 0")
-    cli.need(0 < a.mask_ratio < 1, f"--mask_ratio={a.mask_ratio} must be in (0, 1)")
-    cli.need(0 < a.layer_decay <= 1, f"--layer_decay={a.layer_decay} must be in (0, 1] (1: off)")
-    cli.need(a.model_size in SIZES, f"--model_size={a.model_size!r}: one of {list(SIZES)}")
-    cli.need(a.seg_head in ("unetr", "linear"), f"--seg_head={a.seg_head!r}: unetr or linear")
-    cli.need(a.device in ("auto", "cpu", "cuda"), f"--device={a.device!r}: auto, cpu or cuda")
+        configurator.need(math.isfinite(getattr(a, name)) and getattr(a, name) > 0, f"--{name}={getattr(a, name)} must be > 0")
+    configurator.need(0 < a.mask_ratio < 1, f"--mask_ratio={a.mask_ratio} must be in (0, 1)")
+    configurator.need(0 < a.layer_decay <= 1, f"--layer_decay={a.layer_decay} must be in (0, 1] (1: off)")
+    configurator.need(a.model_size in SIZES, f"--model_size={a.model_size!r}: one of {list(SIZES)}")
+    configurator.need(a.seg_head in ("unetr", "linear"), f"--seg_head={a.seg_head!r}: unetr or linear")
+    configurator.need(a.device in ("auto", "cpu", "cuda"), f"--device={a.device!r}: auto, cpu or cuda")
     a.crop, a.patch = (axes(a, name) for name in ("crop", "patch"))
-    cli.need(not any(a.shape % c or c % p or c % 4 for c, p in zip(a.crop, a.patch)),
+    configurator.need(not any(a.shape % c or c % p or c % 4 for c, p in zip(a.crop, a.patch)),
              f"--shape={a.shape} must be a multiple of --crop={a.crop} along every axis, itself a multiple of "
              f"--patch={a.patch} and of 4 (the U-Net's two poolings)")
-    cli.need(a.seg_head != "unetr" or all(p & (p - 1) == 0 for p in a.patch),
+    configurator.need(a.seg_head != "unetr" or all(p & (p - 1) == 0 for p in a.patch),
              f"--seg_head=unetr needs every side of --patch={a.patch} a power of two")
     return counts
 
@@ -195,7 +193,7 @@ def axes(a, name):
         t = tuple(int(x) for x in str(v).strip("()").split(","))
     except ValueError:
         t = ()
-    cli.need(len(t) in (1, 3) and min(t) >= 1, f"--{name}={v}: one positive int or three, e.g. 16,16,64")
+    configurator.need(len(t) in (1, 3) and min(t) >= 1, f"--{name}={v}: one positive int or three, e.g. 16,16,64")
     return t * 3 if len(t) == 1 else t
 
 
@@ -285,7 +283,7 @@ def main(argv):
                 setattr(a, k, v)
     counts = check_options(a)
     DEVICE = "cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu"
-    cli.need(DEVICE == "cpu" or torch.cuda.is_available(), "--device=cuda but torch sees no GPU")
+    configurator.need(DEVICE == "cpu" or torch.cuda.is_available(), "--device=cuda but torch sees no GPU")
     root = claim_folder(a) if a.out else tempfile.mkdtemp(prefix="label_efficiency_")
     shape, t0 = (a.shape,) * 3, time.time()
     base = 100_000 + 1000 * a.seed  # volume seeds: unlabelled, test and each draw's labelled ones never overlap

@@ -10,6 +10,7 @@ import math
 import sys
 import time
 
+import configurator
 from infra import cli
 from infra.library import index
 from infra.reader import ReadOptions
@@ -36,11 +37,11 @@ def main(argv):
     ap.add_argument("--add", action="store_true", help="add these stores' lines to a manifest of other stores")
     ap.add_argument("--overwrite", action="store_true", help="replace a manifest of other stores with these alone")
     a = ap.parse_args(argv)
-    cli.need(a.in_flight >= 1, f"--in_flight={a.in_flight}: open at least 1 store at a time")
-    cli.need(a.weight is None or (math.isfinite(a.weight) and a.weight >= 0),
+    configurator.need(a.in_flight >= 1, f"--in_flight={a.in_flight}: open at least 1 store at a time")
+    configurator.need(a.weight is None or (math.isfinite(a.weight) and a.weight >= 0),
              f"--weight={a.weight}: a store's weight is a number >= 0 (sample_weighting='manifest')")
-    cli.need(a.read_timeout_s > 0 and a.read_retries >= 0, "--read_timeout_s must be > 0 and --read_retries >= 0")
-    cli.need(not (a.add and a.overwrite), "--add keeps the manifest's other lines and --overwrite drops them: give one")
+    configurator.need(a.read_timeout_s > 0 and a.read_retries >= 0, "--read_timeout_s must be > 0 and --read_retries >= 0")
+    configurator.need(not (a.add and a.overwrite), "--add keeps the manifest's other lines and --overwrite drops them: give one")
     extra = {k: v for k, v in (("split", a.split), ("weight", a.weight)) if v is not None}
     opts = ReadOptions(in_flight=a.in_flight, anon=a.s3_anon, endpoint_url=a.s3_endpoint, retries=a.read_retries,
                        timeout_s=a.read_timeout_s)

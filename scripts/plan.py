@@ -12,13 +12,13 @@ samples/s and MFU side by side, so that the choice of heads stays visible; the J
 import json
 import sys
 
-import train
+import configurator
 from infra import cli
 from infra.plan import config_plan, head_layouts, report, table
 
 
 def main(argv):
-    cfg, p = config_plan(argv, train.check_config)
+    cfg, p = config_plan(argv, configurator.check_config)
     report(p, " ".join(a for a in argv if not a.startswith("--")) or "defaults")
     rows = head_layouts(cfg, p)  # the config's heads against the other split of the same widths
     if rows:

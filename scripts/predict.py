@@ -109,9 +109,9 @@ def main(argv):
     a = parse(argv)
     rank, world, device = distributed.init()  # torchrun's ranks, or a world of 1
     cp = a.cp
-    cli.need(0 <= a.overlap < 1, f"--overlap={a.overlap}: the fraction of a window its neighbour overlaps, in [0, 1)")
-    cli.need(a.sigma > 0, f"--sigma={a.sigma}: the gaussian's width as a fraction of the window, > 0 (0.125: MONAI's)")
-    cli.need(a.batch >= 0, f"--batch={a.batch}: windows per forward pass, >= 1 (0: as many as fit {BATCH_TOKENS:,} "
+    configurator.need(0 <= a.overlap < 1, f"--overlap={a.overlap}: the fraction of a window its neighbour overlaps, in [0, 1)")
+    configurator.need(a.sigma > 0, f"--sigma={a.sigma}: the gaussian's width as a fraction of the window, > 0 (0.125: MONAI's)")
+    configurator.need(a.batch >= 0, f"--batch={a.batch}: windows per forward pass, >= 1 (0: as many as fit {BATCH_TOKENS:,} "
                            f"tokens)")
     if cp < 1 or world % cp:
         raise configurator.ConfigError(f"--cp={cp} must divide the world size {world}")

@@ -31,6 +31,7 @@ import sys
 import numpy as np
 import torch
 
+import configurator
 from infra import cli, modelfile, synthetic
 from infra.features import features_of
 from infra.plan import table
@@ -101,14 +102,14 @@ def main(argv):
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     shape = cli.triple(a.shape, "shape")
-    cli.need(1 <= a.test < a.volumes, f"--test={a.test} must be >= 1 and leave training volumes out of "
+    configurator.need(1 <= a.test < a.volumes, f"--test={a.test} must be >= 1 and leave training volumes out of "
                                       f"--volumes={a.volumes}")
-    cli.need(a.repeats >= 1, f"--repeats={a.repeats}: at least one draw is needed")
-    cli.need(a.steps >= 1, f"--steps={a.steps}: the head needs at least one step")
-    cli.need(a.n_faults >= 1, f"--n_faults={a.n_faults}: the volumes need at least one fault to segment")
-    cli.need(a.seed >= 0, f"--seed={a.seed}: seeds are >= 0")
+    configurator.need(a.repeats >= 1, f"--repeats={a.repeats}: at least one draw is needed")
+    configurator.need(a.steps >= 1, f"--steps={a.steps}: the head needs at least one step")
+    configurator.need(a.n_faults >= 1, f"--n_faults={a.n_faults}: the volumes need at least one fault to segment")
+    configurator.need(a.seed >= 0, f"--seed={a.seed}: seeds are >= 0")
     crop = tuple(modelfile.init_source(a.model)[0]["crop"])  # (its config alone: nothing is read or written yet)
-    cli.need(all(s >= c for s, c in zip(shape, crop)), f"--shape {shape} is smaller than the model's crop {crop}")
+    configurator.need(all(s >= c for s, c in zip(shape, crop)), f"--shape {shape} is smaller than the model's crop {crop}")
     path = a.model
     if os.path.isdir(path):
         path = modelfile.export(a.model)  # its newest checkpoint as one model file, beside it

@@ -34,7 +34,6 @@ import torch
 import configurator
 import data
 import model as M
-import train
 from infra import cli, library, modelfile, outputs, reader
 from infra.evaluate import centre_parts, figure_title, join_parts, recon_figure, voxel_views
 from infra.plan import activation_bytes
@@ -76,8 +75,8 @@ def main(argv):
     ap.add_argument("--read_retries", type=int, default=6, help="retries of a failing request, then an error")
     ap.add_argument("--overwrite", action="store_true", help="replace a figure of reconstruct made otherwise")
     a = ap.parse_args(argv)
-    cli.need(a.seed >= 0, f"--seed={a.seed}: seeds are >= 0")
-    cli.need(a.read_timeout_s > 0 and a.read_retries >= 0, "--read_timeout_s must be > 0 and --read_retries >= 0")
+    configurator.need(a.seed >= 0, f"--seed={a.seed}: seeds are >= 0")
+    configurator.need(a.read_timeout_s > 0 and a.read_retries >= 0, "--read_timeout_s must be > 0 and --read_retries >= 0")
     # ---- the model: a file, or a run's checkpoint exported in memory
     if os.path.isdir(a.model):
         sd, meta = modelfile.state_dict_from_checkpoint(a.model, a.tag)
@@ -103,7 +102,7 @@ def main(argv):
     if len(crop) != 3 or any(c % p for c, p in zip(crop, cfg["patch"])):
         raise configurator.ConfigError(f"crop {crop} must be 3 multiples of the model's patch {cfg['patch']}")
     mask_ratio = cfg["mask_ratio"] if a.mask_ratio is None else a.mask_ratio
-    train.check_masking({"mask_ratio": mask_ratio, "crop": crop, "patch": cfg["patch"]})  # (what training refuses)
+    configurator.check_masking({"mask_ratio": mask_ratio, "crop": crop, "patch": cfg["patch"]})  # (what training refuses)
     # one process: the run's mask strata are kept (cp = 1 draws the same masks as any cp, see model.py)
     strata = cfg.get("mask_strata") or cfg.get("cp", 1)
     grid = token_grid(crop, cfg["patch"])

@@ -3,7 +3,6 @@ import pytest
 
 import configurator
 import model as M
-import train
 from conftest import job_env, read_log, read_val, run_train, small_args
 
 
@@ -88,7 +87,7 @@ def test_unsupported_head_dim_is_a_startup_error(monkeypatch):
     monkeypatch.setitem(M.SIZES, "odd", (60, 1, 6, 32, 1, 4))  # (dim, depth, heads, dec_dim, dec_depth, dec_heads)
     cfg = configurator.defaults()
     cfg.update(model_size="odd", crop=(32, 32, 32), patch=(8, 8, 8))
-    train.check_config(cfg)  # cp = 1: plain SDPA takes any head dim
+    configurator.check_config(cfg)  # cp = 1: plain SDPA takes any head dim
     cfg["cp"] = 2
     with pytest.raises(configurator.ConfigError, match="head dim 10 is unsupported"):
-        train.check_config(cfg)
+        configurator.check_config(cfg)

@@ -95,6 +95,34 @@ def test_the_unetr_head_learns_and_every_weight_of_it_gets_a_gradient():
     assert loss.item() < 0.6 * first, (first, loss.item())
 
 
+def test_configure_optimizers_groups_every_parameter_once_with_its_decay_and_depth():
+    """model.configure_optimizers, the one optimizer: every parameter in exactly one group; weight decay on matrices
+    and kernels alone (never a bias, a norm or the cls token); with layer_decay 0.75 a fine-tuned block i steps at
+    0.75^(depth - i) of the lr, the patch embedding at 0.75^(depth + 1), the head at the full lr; pretraining (and
+    layer_decay 1) has two groups and no lr_scale."""
+    import configurator
+    import model as M
+    cfg = {**configurator.defaults(), "model_size": "tiny", "crop": (16, 16, 32), "patch": (8, 8, 8),
+           "task": "segment", "label_var": "fault", "layer_decay": 0.75, "weight_decay": 0.05}
+    m = M.build_model(cfg, device="meta")
+    depth, names = len(m.blocks), {p: n for n, p in m.named_parameters()}
+    opt = M.configure_optimizers(m, cfg, lr=1e-3)
+    grouped = [names[p] for g in opt.param_groups for p in g["params"]]
+    assert sorted(grouped) == sorted(names.values())  # each once
+    for g in opt.param_groups:
+        for p in g["params"]:
+            n = names[p]
+            assert g["weight_decay"] == (0.05 if p.ndim >= 2 and "token" not in n else 0.0), n
+            want = (0.75 ** (depth + 1) if n.startswith(("patch_embed", "cls_token")) else
+                    0.75 ** (depth - int(n.split(".")[1])) if n.startswith("blocks.") else 1.0)
+            assert g["lr_scale"] == pytest.approx(want), (n, g["lr_scale"], want)
+    assert {names[p] for g in opt.param_groups if g["lr_scale"] == 1.0 for p in g["params"]} >= {
+        n for n in names.values() if not n.startswith(("blocks.", "patch_embed", "cls_token"))}
+    for c in ({**cfg, "layer_decay": 1.0}, {**cfg, "task": "mae"}):
+        opt = M.configure_optimizers(M.build_model(c, device="meta"), c, lr=1e-3)
+        assert len(opt.param_groups) == 2 and all("lr_scale" not in g for g in opt.param_groups)
+
+
 @pytest.mark.slow
 def test_bf16_fine_tuning_stays_with_fp32(labelled, one_rank, tmp_path):
     """The UNETR segmenter in bf16 (its convolutions, transposed convolutions and halos in the compute dtype): the

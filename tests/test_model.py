@@ -197,7 +197,6 @@ def test_heads_split_the_same_weights_into_another_function_that_resume_and_init
     alone, so its decoder's heads do not matter. Counts that do not divide the width are a config error naming an
     aligned one."""
     import configurator
-    import train
     from infra import checkpoint, modelfile
     cfg = {**configurator.defaults(), "crop": (16, 16, 32), "patch": (8, 8, 8)}
     torch.manual_seed(0)
@@ -228,4 +227,4 @@ def test_heads_split_the_same_weights_into_another_function_that_resume_and_init
                       ({"dec_heads": 3}, r"dec_heads=3: .* width 64, e.g. 1 \(heads of 64\)"),
                       ({"heads": -1}, "heads=-1"), ({"model_size": "G", "heads": 16.0}, "e.g. 13 \\(heads of 128\\)")):
         with pytest.raises(configurator.ConfigError, match=says):
-            train.check_config({**cfg, **bad})
+            configurator.check_config({**cfg, **bad})

@@ -142,10 +142,10 @@ def test_unknown_key_and_wrong_type():
 
 def test_validation_errors(small_store):
     with pytest.raises(configurator.ConfigError, match="not divisible by patch"):
-        train.check_config(cfg_of(crop=(20, 16, 16), patch=(8, 8, 8)))
+        configurator.check_config(cfg_of(crop=(20, 16, 16), patch=(8, 8, 8)))
     for r in (0.0, 1.0, -0.1, 1.5):
         with pytest.raises(configurator.ConfigError, match="mask_ratio must be in"):
-            train.check_config(cfg_of(mask_ratio=r))
+            configurator.check_config(cfg_of(mask_ratio=r))
     with pytest.raises(data.DataError, match="larger than the volume"):
         data.Sampler([small_store], (16, 16, 128))
     with pytest.raises(data.DataError, match="does not exist"):
@@ -182,13 +182,13 @@ def test_checkpoint_is_on_disk_before_it_is_marked_complete(tmp_path, monkeypatc
     """save_checkpoint (a real FSDP2 engine, world 1) flushes every file of the checkpoint before it renames
     COMPLETE into place, then flushes the rename and the checkpoint directory's own entry."""
     import torch.distributed as dist
-    from model import mae
+    from model import configure_optimizers, mae
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         cfg = configurator.defaults()
         cfg.update(strategy="fsdp2", grad_clip=0.0)
-        engine = strategies.FSDP2Engine(mae("tiny", grid=(2, 2, 2), patch=(4, 4, 4)), cfg, 1e-3, torch.float32,
-                                   torch.device("cpu"))
+        engine = strategies.FSDP2Engine(mae("tiny", grid=(2, 2, 2), patch=(4, 4, 4)), cfg, torch.float32,
+                                        torch.device("cpu"), lambda m: configure_optimizers(m, cfg, 1e-3))
         events, real_fsync, real_replace = [], os.fsync, os.replace
 
         def fsync(fd):

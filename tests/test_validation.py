@@ -15,7 +15,6 @@ import data
 import model as M
 from infra import evaluate
 from infra import synthetic
-import train
 from conftest import read_log, read_val, run_train, small_args
 from dist_util import run_ranks
 
@@ -75,12 +74,12 @@ def test_bad_validation_settings_are_errors_before_work(monkeypatch):
                     ({"eval_interval": 0}, "eval_interval must be >= 1"),
                     ({"eval_only": True, "val_frac": 0.0}, "eval_only=True needs a validation set")):
         with pytest.raises(configurator.ConfigError, match=msg):
-            train.check_config({**cfg, **kw})
+            configurator.check_config({**cfg, **kw})
     # tensorboard=True where the package is missing (an entry of None in sys.modules is how Python spells "not
     # installed" to the import system)
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(configurator.ConfigError, match="pip install tensorboard"):
-        train.check_config({**cfg, "tensorboard": True})
+        configurator.check_config({**cfg, "tensorboard": True})
 
 
 def test_assignment_covers_every_sample_once_with_equal_forwards():

@@ -66,13 +66,13 @@ if fault[0] in ("die_in_checkpoint", "signal_in_checkpoint"):
 
 if fault[0] == "slow_check":
     import time
-    real_check = train.check_config
+    real_check = train.check
 
-    def check_config(cfg):
+    def check(cfg):
         if os.environ.get("RANK", "0") == fault[1]:
             time.sleep(float(fault[2]))
         return real_check(cfg)
-    train.check_config = check_config
+    train.check = check
 
 if fault[0] == "slow_step":
     import time
