@@ -14,7 +14,6 @@ Seismic volumes in, training samples out.
                              (split_inline) keeps training crops off the last val_frac of each volume's
                              inline axis and puts validation crops inside it; validation samples are a
                              stream of their own (seed, validation index).
-  mask_noise                 the masking noise of a sample, also a pure function of (seed, sample index)
   Prefetcher                 micro batches read ahead of the model's compute
   PinnedBuffers              the page-locked host buffers those batches are copied to the GPU from, reused
 """
@@ -256,17 +255,6 @@ class Sampler:
 
     def close(self):
         self.sample_pool.shutdown(wait=True)
-
-
-def mask_noise(seed, ids, L, cp_rank=0, cp_size=1, stream="train"):
-    """Masking noise for sample indices `ids` of a stream, this rank's share: (len(ids), L / cp_size). Like the
-    crops, a function of the sample alone (key [seed, g, 1]; validation [seed, g, 3]): identical within a CP
-    group, different between samples, and the same whatever the dp/cp layout or a resume (4 bytes per token:
-    4.7 MB at 1.2 M tokens)."""
-    share = slice(cp_rank * L // cp_size, (cp_rank + 1) * L // cp_size)
-    key = 3 if stream == "val" else 1
-    return torch.from_numpy(np.stack([np.random.default_rng([seed, g, key]).random(L, dtype=np.float32)[share]
-                                      for g in ids]))
 
 
 class Prefetcher:

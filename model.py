@@ -4,11 +4,12 @@ A 3D Vision Transformer masked autoencoder (ViT-MAE) for seismic volumes.
 Read top to bottom:
   1. patchify / unpatchify     volume  <->  sequence of 16x16x16-voxel patches
   2. 3D sin-cos positions      computed from token grid coordinates, for any subset of tokens
-  3. masking                   per-sample random masking by argsort of noise (the MAE recipe)
+  3. masking                   mask noise per sample; the tokens of least noise kept, per stratum (MAE's argsort)
   4. attention + Block         every attention call goes through `attention()`
-  5. MAE                       encoder on visible tokens + cls, decoder on all tokens, loss
+  5. Encoder, MAE, Segmenter   the shared encoder; the MAE: encoder on visible tokens + cls, decoder on all tokens;
+                               the segmenter: encoder on every token, a head to every voxel; their losses
   6. configure_optimizers      AdamW and its parameter groups (weight decay, layer decay): the one optimizer
-  7. model sizes               one-line functions, tiny .. G; build_model(cfg): the MAE of a config
+  7. model sizes               one-line functions, tiny .. G; build_model(cfg): the model of a config
 
 Axis convention. A volume is (inline, crossline, time), the MDIO order. In torch it is a tensor
 (B, 1, Z, Y, X) with Z = inline, Y = crossline, X = time, i.e. Conv3d's (D, H, W). A token grid is
@@ -33,6 +34,7 @@ encoder and decoder sequences split evenly, and attention is the ring (ring_atte
 
 import math
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -110,34 +112,21 @@ def sincos_pos_embed(ids, grid, dim, dtype=torch.float32):
 
 # -----------------------------------------------------------------------------
 # 3. masking
+#
+# MAE keeps, per sample, the tokens with the smallest noise. Here the noise is a function of the sample (mask_noise),
+# and the tokens are kept per stratum (stratified_masking) so that under context parallelism every cp rank keeps the
+# same number from its own share. With one stratum it is MAE's argsort masking exactly.
 
 
-def random_masking(noise, n_keep):
-    """Per-sample random masking by argsort of noise (MAE). noise (B, L) -> (ids_keep, mask, ids_restore):
-      ids_keep    (B, n_keep)  token indices kept (visible), in shuffled order
-      mask        (B, L)       0 = visible, 1 = masked, in the original token order
-      ids_restore (B, L)       argsort(ids_shuffle): puts [kept..., masked...] back in original order
-    Tokens with the smallest noise are kept. Injecting `noise` makes the mask deterministic (tests)."""
-    B, L = noise.shape
-    ids_shuffle = torch.argsort(noise, dim=1)
-    ids_restore = torch.argsort(ids_shuffle, dim=1)
-    ids_keep = ids_shuffle[:, :n_keep]
-    mask = torch.ones(B, L, device=noise.device)
-    mask[:, :n_keep] = 0
-    mask = torch.gather(mask, 1, ids_restore)
-    return ids_keep, mask, ids_restore
-
-
-def mask_from_keep(ids_keep, L):
-    """The mask, ids_restore and the masked ids that go with kept indices ids_keep (B, n) out of L tokens. The
-    masked tokens follow the kept ones in index order: all of them become the same mask token, so their order
-    is free. Returns mask (B, L) (1 = masked), ids_restore (B, L), ids_masked (B, L - n) ascending."""
-    B, n = ids_keep.shape
-    mask = torch.ones(B, L, device=ids_keep.device)
-    mask.scatter_(1, ids_keep, 0.0)
-    masked = torch.argsort(mask, dim=1, descending=True, stable=True)[:, : L - n]  # masked ids, ascending
-    ids_restore = torch.argsort(torch.cat([ids_keep, masked], dim=1), dim=1)
-    return mask, ids_restore, masked
+def mask_noise(seed, ids, L, cp_rank=0, cp_size=1, stream="train"):
+    """Masking noise for sample indices `ids` of a stream, this rank's share: (len(ids), L / cp_size) float32. Like
+    the crops (data.py), a function of the sample alone (key [seed, g, 1]; validation [seed, g, 3]): identical within
+    a CP group, different between samples, and the same whatever the dp/cp layout or a resume (4 bytes per token:
+    4.7 MB at 1.2 M tokens). Drawn on the host, in the prefetch threads (train.py) and in validation alike."""
+    share = slice(cp_rank * L // cp_size, (cp_rank + 1) * L // cp_size)
+    key = 3 if stream == "val" else 1
+    return torch.from_numpy(np.stack([np.random.default_rng([seed, g, key]).random(L, dtype=np.float32)[share]
+                                      for g in ids]))
 
 
 def encoder_tokens_per_stratum(L, mask_ratio, strata):
@@ -152,8 +141,9 @@ def encoder_tokens_per_stratum(L, mask_ratio, strata):
 
 def stratified_masking(noise, strata, E, has_cls):
     """noise (B, L_loc) -> ids_keep (B, n): the E lowest-noise tokens of each of `strata` equal consecutive
-    strata of this rank's tokens (E - 1 in the first stratum of the rank that holds the cls token).
-    With one stratum and the cls on this rank it is exactly MAE's random_masking."""
+    strata of this rank's tokens (E - 1 in the first stratum of the rank that holds the cls token), each stratum's
+    in order of increasing noise. With one stratum and E = n + 1 (the cls counted) it is MAE's ids_keep,
+    argsort(noise)[:, :n]."""
     B, L_loc = noise.shape
     Ls = L_loc // strata
     keep = []
@@ -161,6 +151,21 @@ def stratified_masking(noise, strata, E, has_cls):
         k = E - 1 if (has_cls and s == 0) else E
         keep.append(torch.argsort(noise[:, s * Ls:(s + 1) * Ls], dim=1)[:, :k] + s * Ls)
     return torch.cat(keep, dim=1)
+
+
+def mask_from_keep(ids_keep, L):
+    """What the decoder and the loss need from kept indices ids_keep (B, n) out of L tokens:
+      mask        (B, L)      1 = masked, 0 = visible, in token order
+      ids_restore (B, L)      puts the sequence [kept..., masked...] back in token order (the unshuffle)
+      ids_masked  (B, L - n)  the masked tokens, ascending
+    The masked tokens follow the kept ones in index order (MAE: in noise order): they all become the same mask
+    token, so their order is free."""
+    B, n = ids_keep.shape
+    mask = torch.ones(B, L, device=ids_keep.device)
+    mask.scatter_(1, ids_keep, 0.0)
+    masked = torch.argsort(mask, dim=1, descending=True, stable=True)[:, : L - n]  # masked ids, ascending
+    ids_restore = torch.argsort(torch.cat([ids_keep, masked], dim=1), dim=1)
+    return mask, ids_restore, masked
 
 
 def gather_tokens(x, ids):
@@ -219,52 +224,47 @@ class Block(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# 5. the masked autoencoder
+# 5. the models: the encoder both share, the masked autoencoder, the segmenter
 
 
-class MAE(nn.Module):
-    def __init__(self, grid=(4, 4, 4), patch=(16, 16, 16), dim=1024, depth=24, heads=16,
-                 dec_dim=512, dec_depth=8, dec_heads=16, mlp_ratio=4.0, mask_ratio=0.75,
-                 norm_pix_loss=False, grad_ckpt=False, mask_strata=1, seg_classes=0, seg_pos_weight=1.0,
-                 seg_head="unetr", seg_features=16):
+class Encoder(nn.Module):
+    """The ViT encoder the MAE and the segmenter share: the patch embedding, the cls token, the blocks and the final
+    norm; and what runs every block stack of either model: context parallelism (set_context_parallel) and activation
+    checkpointing (set_grad_ckpt). A subclass adds its decoder or head after these (so that the parameters keep the
+    names and the order that model files and checkpoints hold), a decoder_blocks list (empty where it has none: the
+    code that walks the stacks walks both), its dec_dim and n_keep(); then calls initialize_weights and set_grad_ckpt."""
+
+    def __init__(self, grid, patch, dim, depth, heads, mlp_ratio):
         super().__init__()
         self.grid, self.patch = tuple(grid), tuple(patch)
         self.L = math.prod(self.grid)  # tokens per sample
         self.P = math.prod(self.patch)  # voxels per patch
-        self.dim, self.dec_dim = dim, dec_dim
-        self.mask_ratio, self.norm_pix_loss = mask_ratio, norm_pix_loss
-        # masking strata (a multiple of cp; train.py sets it to cp unless configured): the mask, and so the
-        # model's function, depends on the strata and not on how many ranks compute it
-        self.mask_strata = mask_strata
-        self.E = encoder_tokens_per_stratum(self.L, mask_ratio, mask_strata)
+        self.dim = dim
         self.cp = None  # (group, attend) under context parallelism; set by set_context_parallel
-        # encoder: the Conv3d patch embedding, applied to the visible patches only (PatchEmbed)
+        # the Conv3d patch embedding, applied to the patches it is given only (PatchEmbed)
         self.patch_embed = PatchEmbed(1, dim, kernel_size=self.patch, stride=self.patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.blocks = nn.ModuleList([Block(dim, heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim, eps=1e-6)
-        # decoder: narrower and shallower; its own fixed positions; predicts the voxels of each patch. Fine-tuning
-        # (seg_classes > 0) replaces it by a segmentation head: seg_head="unetr" (unetr.py), or "linear", the probe's:
-        # the decoder's blocks on every token and seg_pred for decoder_pred and the mask token, each patch's voxels'
-        # class logits from its token alone (one logit per voxel when binary)
-        self.seg_classes, self.seg_out = seg_classes, (1 if seg_classes == 2 else seg_classes)
-        self.seg_pos_weight = seg_pos_weight  # binary: the loss weight of class-1 voxels (seg_loss)
-        self.seg_head = seg_head if seg_classes else None
-        if self.seg_head == "unetr":
-            self.head = UNETRHead(dim, depth, self.patch, self.seg_out, seg_features)  # unetr.py
-            dec_depth = 0  # (no decoder: decoder_blocks stays an empty list, for the code that walks the stacks)
-        else:
-            self.decoder_embed = nn.Linear(dim, dec_dim)
-            self.decoder_norm = nn.LayerNorm(dec_dim, eps=1e-6)
-        if not seg_classes:
-            self.mask_token = nn.Parameter(torch.zeros(1, 1, dec_dim))
-        self.decoder_blocks = nn.ModuleList([Block(dec_dim, dec_heads, mlp_ratio) for _ in range(dec_depth)])
-        if self.seg_head == "linear":
-            self.seg_pred = nn.Linear(dec_dim, self.P * self.seg_out)
-        elif not seg_classes:
-            self.decoder_pred = nn.Linear(dec_dim, self.P)
-        self.initialize_weights()
-        self.set_grad_ckpt(grad_ckpt)
+
+    def initialize_weights(self):
+        # MAE init: xavier-uniform on every Linear and on the patch embedding seen as a (dim, P) Linear,
+        # zero biases, LayerNorm (1, 0), and N(0, 0.02) for the cls and mask tokens.
+        if self.cls_token.is_meta:  # shapes only (the planner): no values to set, and normal_ on meta would
+            return  # import torch._dynamo: seconds of every dry run and `scripts.plan` (training imports it anyway)
+        w = self.patch_embed.weight.data
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.patch_embed.bias)
+        for name, p in self.named_parameters():
+            if name.endswith("_token"):  # cls_token, and the MAE's mask_token
+                nn.init.normal_(p, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
 
     def set_grad_ckpt(self, grad_ckpt):
         """Activation checkpointing: True every block, False (or 0) none, k the first k blocks of ckpt_order()."""
@@ -273,12 +273,6 @@ class MAE(nn.Module):
         assert 0 <= k <= n_blocks, f"grad_ckpt={grad_ckpt}: a number of blocks must be in [0, {n_blocks}]"
         self.grad_ckpt = k
         self.ckpt = set(self.ckpt_order()[:k])  # {("enc" | "dec", block index)}
-
-    def block_flops(self, stack):
-        """Forward FLOPs of one block of `stack` ("enc" or "dec") per sample (see flops_per_sample)."""
-        mlp = int(self.blocks[0].fc1.out_features / self.dim) if len(self.blocks) else 4
-        N, C = (self.n_keep() + 1, self.dim) if stack == "enc" else (self.L, self.dec_dim)
-        return (8 + 4 * mlp) * N * C * C + 4 * N * N * C
 
     def ckpt_order(self):
         """Every block, in the order activation checkpointing takes them: most activation bytes freed per FLOP
@@ -295,45 +289,18 @@ class MAE(nn.Module):
         stacks = sorted(("enc", "dec"), key=lambda st: cost[st])  # (stable: encoder first on a tie)
         return [(st, i) for st in stacks for i in range(len(self.blocks if st == "enc" else self.decoder_blocks))]
 
-    def recompute_flops(self):
-        """FLOPs per sample that checkpointing adds: the forward of every checkpointed block, again in backward."""
-        return sum(self.block_flops(st) for st, _ in self.ckpt)
-
-    def initialize_weights(self):
-        # MAE init: xavier-uniform on every Linear and on the patch embedding seen as a (dim, P) Linear,
-        # zero biases, LayerNorm (1, 0), and N(0, 0.02) for the cls and mask tokens.
-        if self.cls_token.is_meta:  # shapes only (the planner): no values to set, and normal_ on meta would
-            return  # import torch._dynamo: seconds of every dry run and `scripts.plan` (training imports it anyway)
-        w = self.patch_embed.weight.data
-        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
-        nn.init.zeros_(self.patch_embed.bias)
-        nn.init.normal_(self.cls_token, std=0.02)
-        if not self.seg_classes:
-            nn.init.normal_(self.mask_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.xavier_uniform_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-
-    def n_keep(self):
-        """Visible tokens per sample: MAE's int(L * (1 - mask_ratio)), adjusted so that visible + cls
-        divides by mask_strata (see encoder_tokens_per_stratum). A segmenter sees every token and has no cls token:
-        its encoder holds L tokens, n_keep() + 1 as the FLOP and memory counts take it."""
-        if self.seg_classes:
-            return self.L - 1
-        return self.mask_strata * self.E - 1
-
     def set_context_parallel(self, group, attend=ring_attention.ring_attention):
         """Split every sample over the ranks of `group` (None or a group of 1: no context parallelism), its attention
         computed by attend(q, k, v, group): our ring, or any function that computes the same (train.py passes
         infra/torch_cp.py's torch_cp_attention for cp_impl='torch')."""
         size = dist.get_world_size(group) if group is not None else 1
         if size > 1:
-            assert self.grid[0] % size == 0 and self.mask_strata % size == 0, (self.grid, self.mask_strata, size)
+            assert self.grid[0] % size == 0, (self.grid, size)
         self.cp = (group, attend) if size > 1 else None
+
+    def cp_place(self):
+        """(this rank's place in the cp group, the group's size): (0, 1) without context parallelism."""
+        return (dist.get_rank(self.cp[0]), dist.get_world_size(self.cp[0])) if self.cp else (0, 1)
 
     def run_blocks(self, blocks, x, stack, taps=None):
         """x through `blocks`; taps (UNETR's): {block count k: None}, each set to the output after k blocks."""
@@ -365,6 +332,43 @@ class MAE(nn.Module):
         x = self.run_blocks(self.blocks, x, "enc", taps)
         return self.norm(x)
 
+
+class MAE(Encoder):
+    """Pretraining: the encoder on the visible tokens and cls, a narrower, shallower decoder on every token (with its
+    own fixed positions and a mask token for the masked ones), each patch's voxels predicted, the loss on the
+    masked patches (mae_loss)."""
+
+    def __init__(self, grid=(4, 4, 4), patch=(16, 16, 16), dim=1024, depth=24, heads=16,
+                 dec_dim=512, dec_depth=8, dec_heads=16, mlp_ratio=4.0, mask_ratio=0.75,
+                 norm_pix_loss=False, grad_ckpt=False, mask_strata=1):
+        super().__init__(grid, patch, dim, depth, heads, mlp_ratio)
+        self.dec_dim = dec_dim
+        self.mask_ratio, self.norm_pix_loss = mask_ratio, norm_pix_loss
+        # masking strata (a multiple of cp; train.py sets it to cp unless configured): the mask, and so the
+        # model's function, depends on the strata and not on how many ranks compute it
+        self.mask_strata = mask_strata
+        self.E = encoder_tokens_per_stratum(self.L, mask_ratio, mask_strata)
+        self.decoder_embed = nn.Linear(dim, dec_dim)
+        self.decoder_norm = nn.LayerNorm(dec_dim, eps=1e-6)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dec_dim))
+        self.decoder_blocks = nn.ModuleList([Block(dec_dim, dec_heads, mlp_ratio) for _ in range(dec_depth)])
+        self.decoder_pred = nn.Linear(dec_dim, self.P)
+        self.initialize_weights()
+        self.set_grad_ckpt(grad_ckpt)
+
+    def n_keep(self):
+        """Visible tokens per sample: MAE's int(L * (1 - mask_ratio)), adjusted so that visible + cls
+        divides by mask_strata (see encoder_tokens_per_stratum)."""
+        return self.mask_strata * self.E - 1
+
+    def keep_ids(self, noise, cp_rank=0, cp=1):
+        """noise (B, L / cp): masking noise of cp rank cp_rank's tokens -> ids_keep (B, n) int64, local indices
+        of the tokens it keeps visible. train.py calls this in the prefetch thread, on the fp32 noise, so the
+        mask never passes through a float cast of the model's inputs (FSDP2 casts every floating input to the
+        compute dtype: in bf16, noise ties would decide the mask) and is the same under every strategy."""
+        assert self.mask_strata % cp == 0, f"mask_strata {self.mask_strata} does not split over cp {cp}"
+        return stratified_masking(noise, self.mask_strata // cp, self.E, has_cls=(cp_rank == 0))
+
     def forward_decoder(self, latent, ids_restore, offset=0, has_cls=True):
         """latent (B, has_cls + n, dim) -> pred (B, L_loc, P), this rank's tokens in their original order.
         The cls token is not passed to the decoder (MAE passes it, then drops its output). Leaving it out
@@ -380,55 +384,65 @@ class MAE(nn.Module):
         x = self.run_blocks(self.decoder_blocks, x, "dec")
         return self.decoder_pred(self.decoder_norm(x))  # (B, L_loc, P)
 
-    def keep_ids(self, noise, cp_rank=0, cp=1):
-        """noise (B, L / cp): masking noise of cp rank cp_rank's tokens -> ids_keep (B, n) int64, local indices
-        of the tokens it keeps visible. train.py calls this in the prefetch thread, on the fp32 noise, so the
-        mask never passes through a float cast of the model's inputs (FSDP2 casts every floating input to the
-        compute dtype: in bf16, noise ties would decide the mask) and is the same under every strategy."""
-        return stratified_masking(noise, self.mask_strata // cp, self.E, has_cls=(cp_rank == 0))
-
     def forward(self, x, noise=None, ids_keep=None):
-        """x (B, 1, Z_loc, Y, X): normalised voxels of this rank's slab (the whole sample without cp); a segmenter
-        (seg_classes > 0) takes (B, 2, Z_loc, Y, X), the labels as channel 1, and returns forward_segment's.
+        """x (B, 1, Z_loc, Y, X): normalised voxels of this rank's slab (the whole sample without cp).
         ids_keep (B, n): the kept tokens (local indices, from keep_ids; what training passes), or noise
         (B, L_loc): masking noise for this rank's tokens (tests), or neither: random. Returns (loss, pred
         (B, L_loc, P), mask (B, L_loc)), where loss = this rank's masked squared error / the masked count of
         the whole sample (summed over cp)."""
-        if self.seg_classes:
-            return self.forward_segment(x)
-        group = self.cp[0] if self.cp else None
-        W = dist.get_world_size(group) if self.cp else 1
-        r = dist.get_rank(group) if self.cp else 0
-        B = x.shape[0]
+        r, W = self.cp_place()
         patches = patchify(x, self.patch)  # (B, L_loc, P)
         L_loc = patches.shape[1]
         assert L_loc * W == self.L, f"slab of {L_loc} tokens x cp {W} != {self.L} tokens"
         if ids_keep is None:
             if noise is None:
-                noise = torch.rand(B, L_loc, device=x.device)
+                noise = torch.rand(x.shape[0], L_loc, device=x.device)
             ids_keep = self.keep_ids(noise, r, W)
         mask, ids_restore, ids_masked = mask_from_keep(ids_keep, L_loc)
         latent = self.forward_encoder(patches, ids_keep, offset=r * L_loc, has_cls=(r == 0))
         pred = self.forward_decoder(latent, ids_restore, offset=r * L_loc, has_cls=(r == 0))
         loss_sum, count = mae_loss(pred, patches, ids_masked, self.norm_pix_loss)
         if W > 1:
-            dist.all_reduce(count, group=group)  # masked patches of the whole sample (no gradient flows here)
+            dist.all_reduce(count, group=self.cp[0])  # masked patches of the whole sample (no gradient flows here)
         return loss_sum / count, pred, mask
 
-    def forward_segment(self, x):
-        """Fine-tuning: x (B, 2, Z_loc, Y, X), channel 0 the normalised voxels of this rank's slab, channel 1 their
-        classes. Returns (loss, logits (B, L_loc, P, seg_out)), loss = this rank's summed voxel loss (seg_loss) / the
-        voxels of the whole micro batch, so that summed over cp it is the mean voxel loss, as the MAE's loss is."""
-        logits = self.seg_logits(x[:, :1])
-        labels = patchify(x[:, 1:], self.patch)  # (B, L_loc, P) classes
-        return seg_loss(logits, labels, self.seg_pos_weight) / (x.shape[0] * self.L * self.P), logits
+
+class Segmenter(Encoder):
+    """Fine-tuning: the encoder on every token (no mask; no cls token, so that under cp every rank holds as many
+    tokens as the others), then a segmentation head that gives every voxel seg_classes class logits (one logit when
+    binary). seg_head="unetr" (unetr.py): the head draws every voxel from the encoder's features at several depths
+    and the amplitude itself; "linear", the probe's: the MAE decoder's blocks on every token, then each patch's
+    voxels' logits from its token alone (seg_pred, in place of decoder_pred and the mask token). Its encoder
+    weights are an MAE's (init_from)."""
+
+    def __init__(self, grid=(4, 4, 4), patch=(16, 16, 16), dim=1024, depth=24, heads=16,
+                 dec_dim=512, dec_depth=8, dec_heads=16, mlp_ratio=4.0, grad_ckpt=False,
+                 seg_classes=2, seg_pos_weight=1.0, seg_head="unetr", seg_features=16):
+        super().__init__(grid, patch, dim, depth, heads, mlp_ratio)
+        self.dec_dim = dec_dim
+        self.seg_classes, self.seg_out = seg_classes, (1 if seg_classes == 2 else seg_classes)
+        self.seg_pos_weight = seg_pos_weight  # binary: the loss weight of class-1 voxels (seg_loss)
+        self.seg_head = seg_head
+        if seg_head == "unetr":
+            self.head = UNETRHead(dim, depth, self.patch, self.seg_out, seg_features)  # unetr.py
+            dec_depth = 0  # (no decoder: decoder_blocks stays an empty list)
+        else:
+            self.decoder_embed = nn.Linear(dim, dec_dim)
+            self.decoder_norm = nn.LayerNorm(dec_dim, eps=1e-6)
+        self.decoder_blocks = nn.ModuleList([Block(dec_dim, dec_heads, mlp_ratio) for _ in range(dec_depth)])
+        if seg_head == "linear":
+            self.seg_pred = nn.Linear(dec_dim, self.P * self.seg_out)
+        self.initialize_weights()
+        self.set_grad_ckpt(grad_ckpt)
+
+    def n_keep(self):
+        """Every token is visible and there is no cls token: the encoder holds L tokens, n_keep() + 1 as the FLOP and
+        memory counts take it."""
+        return self.L - 1
 
     def seg_logits(self, x):
-        """x (B, 1, Z_loc, Y, X) normalised voxels -> logits (B, L_loc, P, seg_out). Every token is visible and there
-        is no cls token (under cp every rank then holds as many tokens as the others). UNETR: the head draws every
-        voxel from the encoder's features at several depths and the amplitude itself; linear: the decoder's blocks on
-        every token, then each token's P voxels from it alone."""
-        r = dist.get_rank(self.cp[0]) if self.cp else 0
+        """x (B, 1, Z_loc, Y, X) normalised voxels of this rank's slab -> logits (B, L_loc, P, seg_out)."""
+        r, _ = self.cp_place()
         patches = patchify(x, self.patch)  # (B, L_loc, P)
         B, L_loc, _ = patches.shape
         ids = torch.arange(L_loc, device=x.device)
@@ -442,22 +456,15 @@ class MAE(nn.Module):
         h = self.decoder_norm(self.run_blocks(self.decoder_blocks, h, "dec"))
         return self.seg_pred(h).view(B, L_loc, self.P, self.seg_out)
 
-    def flops_per_sample(self):
-        """Training FLOPs per sample (forward + backward = 3 x forward; matmuls and attention only,
-        the usual convention for MFU). A multiply-add counts 2 FLOPs.
-          per block on N tokens of width C: qkv 6NC^2 + proj 2NC^2 + mlp 16NC^2 (ratio 4) + attention 4N^2C"""
-        if self.seg_head == "unetr":  # every token through the encoder, every voxel through the head
-            return 3 * (2 * self.L * self.P * self.dim + len(self.blocks) * self.block_flops("enc")
-                        + self.head.flops(self.grid))
-        if self.seg_classes:  # every token through the encoder and the head
-            return 3 * (2 * self.L * self.P * self.dim + len(self.blocks) * self.block_flops("enc")
-                        + 2 * self.L * self.dim * self.dec_dim + len(self.decoder_blocks) * self.block_flops("dec")
-                        + 2 * self.L * self.dec_dim * self.P * self.seg_out)
-        n = self.n_keep()
-        enc = 2 * n * self.P * self.dim + len(self.blocks) * self.block_flops("enc")
-        dec = (2 * n * self.dim * self.dec_dim + len(self.decoder_blocks) * self.block_flops("dec")
-               + 2 * self.L * self.dec_dim * self.P)
-        return 3 * (enc + dec)
+    def forward(self, x, ids_keep=None):
+        """x (B, 2, Z_loc, Y, X): channel 0 the normalised voxels of this rank's slab, channel 1 their classes
+        (ids_keep: None, nothing is masked; train.py calls both models alike). Returns (loss, logits (B, L_loc, P,
+        seg_out)), loss = this rank's summed voxel loss (seg_loss) / the voxels of the whole micro batch, so that
+        summed over cp it is the mean voxel loss, as the MAE's loss is."""
+        assert ids_keep is None, "the segmenter sees every token: nothing to keep"
+        logits = self.seg_logits(x[:, :1])
+        labels = patchify(x[:, 1:], self.patch)  # (B, L_loc, P) classes
+        return seg_loss(logits, labels, self.seg_pos_weight) / (x.shape[0] * self.L * self.P), logits
 
 
 def seg_loss(logits, labels, pos_weight=1.0):
@@ -576,11 +583,20 @@ SIZES = {  # name: (dim, depth, heads, dec_dim, dec_depth, dec_heads)
 }
 
 
-def mae(size, heads=0, dec_heads=0, **kw):
-    """The MAE of a named size (SIZES), with its head counts unless heads / dec_heads (> 0) say otherwise."""
+def widths(size, heads=0, dec_heads=0):
+    """The widths, depths and head counts of a named size (SIZES), its own heads unless heads / dec_heads (> 0)."""
     dim, depth, h, dec_dim, dec_depth, dh = SIZES[size]
-    return MAE(dim=dim, depth=depth, heads=heads or h, dec_dim=dec_dim, dec_depth=dec_depth,
-               dec_heads=dec_heads or dh, **kw)
+    return dict(dim=dim, depth=depth, heads=heads or h, dec_dim=dec_dim, dec_depth=dec_depth, dec_heads=dec_heads or dh)
+
+
+def mae(size, heads=0, dec_heads=0, **kw):
+    """The MAE of a named size."""
+    return MAE(**widths(size, heads, dec_heads), **kw)
+
+
+def segmenter(size, heads=0, dec_heads=0, **kw):
+    """The segmenter of a named size: its encoder is the MAE's of that size."""
+    return Segmenter(**widths(size, heads, dec_heads), **kw)
 
 
 def aligned_heads(width):
@@ -604,18 +620,18 @@ def token_grid(shape, patch):
 
 
 def build_model(cfg, device=None, train=False):
-    """The one place an MAE is built from a config (train.py's keys: a run's, or a model file's; task="segment":
-    the fine-tuning model, encoder + segmentation head). Not seeded:
+    """The one place a model is built from a config (train.py's keys: a run's, or a model file's): the MAE, or for
+    task="segment" the Segmenter (fine-tuning: the MAE's encoder and a segmentation head). Not seeded:
     train.py seeds with cfg["seed"] first; seed before calling this for the run's init. device="meta": shapes and
     parameter counts, no memory. train=True: with the run's activation checkpointing (grad_ckpt, ckpt_blocks),
     which changes how training recomputes, not the function."""
     ckpt = train and cfg["grad_ckpt"] and (True if cfg["ckpt_blocks"] < 0 else cfg["ckpt_blocks"])
-    seg = cfg.get("task", "mae") == "segment"  # (a model file of a run older than fine-tuning has no task: "mae")
+    size = widths(cfg["model_size"], cfg.get("heads", 0), cfg.get("dec_heads", 0))  # (older files: the size's own)
+    common = dict(grid=token_grid(cfg["crop"], cfg["patch"]), patch=tuple(cfg["patch"]), grad_ckpt=ckpt, **size)
     with torch.device(device if device is not None else torch.get_default_device()):
-        return mae(cfg["model_size"], cfg.get("heads", 0), cfg.get("dec_heads", 0),  # (older files: the size's own)
-                   grid=token_grid(cfg["crop"], cfg["patch"]), patch=tuple(cfg["patch"]), mask_ratio=cfg["mask_ratio"],
-                   norm_pix_loss=cfg.get("norm_pix_loss", False),
-                   mask_strata=cfg.get("mask_strata") or cfg.get("cp", 1), grad_ckpt=ckpt,
-                   seg_classes=cfg["classes"] if seg else 0, seg_pos_weight=cfg.get("pos_weight", 1.0),
-                   seg_head=cfg.get("seg_head", "linear"),  # (files older than the key: linear)
-                   seg_features=cfg.get("seg_features", 16))
+        if cfg.get("task", "mae") == "segment":  # (a model file of a run older than fine-tuning has no task: "mae")
+            return Segmenter(**common, seg_classes=cfg["classes"], seg_pos_weight=cfg.get("pos_weight", 1.0),
+                             seg_head=cfg.get("seg_head", "linear"),  # (files older than the key: linear)
+                             seg_features=cfg.get("seg_features", 16))
+        return MAE(**common, mask_ratio=cfg["mask_ratio"], norm_pix_loss=cfg.get("norm_pix_loss", False),
+                   mask_strata=cfg.get("mask_strata") or cfg.get("cp", 1))

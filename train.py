@@ -47,7 +47,7 @@ from infra.cli import run as run_cli
 from infra.ops import Operations, where_it_stands
 from infra.runlog import RunLog, check_log
 from infra.stop import INTERRUPTED, RESUMABLE, Interrupted, StopRequest
-from model import build_model, configure_optimizers
+from model import build_model, configure_optimizers, mask_noise
 
 # -----------------------------------------------------------------------------
 # the config check and the lr schedule
@@ -188,7 +188,7 @@ def prepare_batch(job, x, ids):
     Fine-tuning (task="segment"): no mask (ids_keep None), and x is (B, 2, ...), the labels as channel 1."""
     ids_keep = None
     if job.cfg["task"] == "mae":
-        noise = data.mask_noise(job.cfg["seed"], ids, job.model.L, job.cp_rank, job.cp)  # (B, L / cp) fp32
+        noise = mask_noise(job.cfg["seed"], ids, job.model.L, job.cp_rank, job.cp)  # (B, L / cp) fp32
         ids_keep = job.model.keep_ids(noise, job.cp_rank, job.cp)
     if job.on_gpu:
         buf = job.pinned.take(x.shape, job.dtype).copy_(x)

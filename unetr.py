@@ -1,5 +1,5 @@
 """
-The segmentation head fine-tuning puts on the MAE's encoder (model.MAE, seg_head="unetr"), UNETR-style:
+The segmentation head fine-tuning puts on the MAE's encoder (model.Segmenter, seg_head="unetr"), UNETR-style:
 a fault is a plane 1-3 voxels thick crossing a token of P voxels, which
 one linear layer per token cannot draw. Features of several encoder depths are brought up to finer grids by
 transposed convolutions and joined, level by level, down to a branch of convolutions on the amplitude itself:

@@ -198,7 +198,7 @@ def _base_step(smoke, dev, out_dir, name):
     losses = [x.item() for x in losses]
     p = P.plan(cfg, 1, gpu=_gpu_kind(dev), gpus_per_node=1)
     peak = P.GPUS[p["gpu"]]["flops"]
-    fps = m.flops_per_sample()
+    fps = P.flops_per_sample(m)
     compute_s = step_s - wait / timed
     mem = _mem_stats(dev)
     res = {"heads": [m.blocks[0].heads, m.decoder_blocks[0].heads],
@@ -242,7 +242,6 @@ def _rank_step(smoke, dev, out_dir, name):
     time, per-block CUDA events, the ring's communication wait, max_memory_allocated and the allocator's retries,
     beside the planner's per-rank step time and memory per GPU for big_context on its cluster. Pass (GPU): the
     peak under this GPU's memory, the step within 20 % of the planner's step_s, the loss finite."""
-    import data
     import model as M
     import ring_attention as RA
     import configurator
@@ -263,7 +262,7 @@ def _rank_step(smoke, dev, out_dir, name):
     m.cp = (SelfRing(W, via), RA.ring_attention)  # (set_context_parallel asks a process group its size: this is none)
     crop = cfg["crop"]
     x = torch.randn(1, 1, crop[0] // W, crop[1], crop[2], device=dev, dtype=dtype)  # rank 0's slab
-    ids_keep = m.keep_ids(data.mask_noise(cfg["seed"], [0], m.L, 0, W), 0, W).to(dev)
+    ids_keep = m.keep_ids(M.mask_noise(cfg["seed"], [0], m.L, 0, W), 0, W).to(dev)
     n_enc, n_dec = ids_keep.shape[1] + 1, m.L // W
 
     def step():  # model.MAE.forward's steps on cp rank 0, the count's all-reduce replaced by the sample's count
@@ -305,7 +304,7 @@ def _rank_step(smoke, dev, out_dir, name):
     mem = _mem_stats(dev)
     total_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if dev.type == "cuda" else float("inf")
     peak = P.GPUS[p["gpu"]]["flops"]
-    fps = m.flops_per_sample() / W  # this rank's share of the sample's FLOPs
+    fps = P.flops_per_sample(m) / W  # this rank's share of the sample's FLOPs
     ckpt = sorted(i for st, i in m.ckpt if st == "enc"), sorted(i for st, i in m.ckpt if st == "dec")
     ok_time = abs(step_s / p["step_s"] - 1) <= TOLERANCE
     ok_mem = mem["max_allocated_gb"] < total_gb
@@ -314,7 +313,7 @@ def _rank_step(smoke, dev, out_dir, name):
            "tokens_per_rank": [n_enc, n_dec], "ckpt_blocks": {"encoder": ckpt[0], "decoder": ckpt[1]},
            "loss": loss.item(), "step_s": round(step_s, 3), "comm_wait_s": round(comm, 3),
            "mfu": round(fps / step_s / peak, 4), **mem, "gpu_mem_gb": round(total_gb, 1),
-           "plan_step_s": round(p["step_s"], 3), "plan_mfu": round(m.flops_per_sample() * p["samples_per_s"]
+           "plan_step_s": round(p["step_s"], 3), "plan_mfu": round(P.flops_per_sample(m) * p["samples_per_s"]
                                                                     / (world * peak), 4),
            "plan_mem_gb": p["mem_per_gpu_gb"], "plan_activations_gb": p["activations_gb"], "stacks": stacks}
     res["ok"] = bool(np.isfinite(res["loss"]) and res["heads"] == [heads["heads"], heads["dec_heads"]]
@@ -349,8 +348,8 @@ def sec_rank_step_aligned(smoke, dev, out_dir):
 
 
 def _ids_keep(job, ids):
-    import data
-    return job.model.keep_ids(data.mask_noise(job.cfg["seed"], ids, job.model.L, job.cp_rank, job.cp), job.cp_rank,
+    import model as M
+    return job.model.keep_ids(M.mask_noise(job.cfg["seed"], ids, job.model.L, job.cp_rank, job.cp), job.cp_rank,
                               job.cp)
 
 

@@ -13,7 +13,6 @@ import sys
 import time
 
 import numpy as np
-import torch
 
 from bench.gpu_attention import HERE, _sync
 

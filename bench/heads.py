@@ -15,7 +15,6 @@ size, the size's own heads against the widest that divide its widths by 128 (els
 on config/quickstart.py's data, crops, patches, loss and recipe (norm_pix_loss; --key=value changes any of it).
 Each run is one train.py process, world 1, every core. Prints a table, then one JSON line.
 """
-import json
 import math
 import os
 import subprocess

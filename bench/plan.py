@@ -16,7 +16,8 @@ import sys
 
 import torch
 
-from infra.plan import activation_bytes, config_plan, param_counts, report, state_bytes, step_bytes, table
+from infra.plan import (activation_bytes, config_plan, flops_per_sample, param_counts, recompute_flops, report,
+                        state_bytes, step_bytes, table)
 from model import build_model
 
 
@@ -62,7 +63,7 @@ def calibrate():
                 with FlopCounterMode(display=False) as fc, sdpa_kernel(SDPBackend.MATH):
                     m(x)[0].backward()
                 flops_measured = fc.get_total_flops() / 2  # per sample (batch 2)
-                planned = m.flops_per_sample() + m.recompute_flops()
+                planned = flops_per_sample(m) + recompute_flops(m)
                 e = flops_measured / planned - 1
                 worst = max(worst, abs(e))
                 rows.append([name, f"FLOPs/sample{label}", f"{planned:.3g}", f"{flops_measured:.3g}", f"{100 * e:+.1f}%"])

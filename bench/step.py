@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from infra.plan import activation_bytes, table
+from infra.plan import activation_bytes, flops_per_sample, recompute_flops, table
 from model import build_model
 
 
@@ -78,10 +78,10 @@ def _ckpt_sweep(cfg, argv, warmup, steps):
         m = build_model(c, device="meta", train=True)
         act = sum(activation_bytes(m, c["micro_batch"], c["cp"], 4 if c["dtype"] != "bfloat16" else 2))
         r = _time_steps(c, argv, warmup, steps, quiet=True)
-        executed = m.flops_per_sample() + m.recompute_flops()
+        executed = flops_per_sample(m) + recompute_flops(m)
         out[f"ms_per_step_{name}"] = r["ms_per_step"]
         out[f"planned_activation_mib_{name}"] = round(act / 2 ** 20, 2)
-        rows.append([name, ckpt, f"{r['ms_per_step']:.1f}", f"{executed / m.flops_per_sample():.3f}",
+        rows.append([name, ckpt, f"{r['ms_per_step']:.1f}", f"{executed / flops_per_sample(m):.3f}",
                      f"{act / 2 ** 20:.1f}"])
     for name in ("half", "all"):
         out[f"time_ratio_{name}_vs_none"] = round(out[f"ms_per_step_{name}"] / out["ms_per_step_none"], 3)
@@ -117,7 +117,7 @@ def _time_steps(cfg, argv, warmup, steps, quiet=False):
     threads = torch.get_num_threads()
     peak = matmul_flops(job.device, job.dtype)
     sps = job.global_batch / dt
-    achieved = job.model.flops_per_sample() * sps
+    achieved = flops_per_sample(job.model) * sps
     res = {"bench": "step", "config": argv[0] if argv else "defaults", "device": job.device.type,
            "dtype": str(job.dtype).replace("torch.", ""), "threads": threads, "tokens": job.model.L,
            "global_batch": job.global_batch, "ms_per_step": round(1000 * dt, 2), "samples_per_s": round(sps, 3),

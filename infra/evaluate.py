@@ -31,7 +31,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import data
 import model as M
 from infra import outputs
 
@@ -72,7 +71,7 @@ def run(forward, model, sampler, seed, n, device, dtype, micro_batch, cp_rank=0,
     for batch in assignment(n, dp_rank, dp_size, micro_batch):
         ids = [i for i, _ in batch]
         x = sampler.read(ids)  # (B, 1, Z / cp, Y, X) fp32, this rank's slabs
-        noise = data.mask_noise(seed, ids, model.L, cp_rank, cp, stream="val")  # (B, L / cp)
+        noise = M.mask_noise(seed, ids, model.L, cp_rank, cp, stream="val")  # (B, L / cp)
         ids_keep = model.keep_ids(noise, cp_rank, cp).to(device)
         x = x.to(device=device, dtype=dtype)  # what training feeds the model: the compute dtype
         _, pred, mask = forward(x, ids_keep=ids_keep)  # pred (B, L / cp, P)
@@ -146,7 +145,7 @@ def floor_of(job):
         return None
 
     def masks(ids, stream):  # the whole samples' masks: the strata decide them, not the ranks
-        return model.keep_ids(data.mask_noise(cfg["seed"], ids, model.L, 0, 1, stream=stream), 0, 1).to(dev)
+        return model.keep_ids(M.mask_noise(cfg["seed"], ids, model.L, 0, 1, stream=stream), 0, 1).to(dev)
     train, val = job.sampler.whole(), job.val_sampler.whole()
     try:
         fit = list(range(max(1, min(floor.FIT_CROPS, floor.FIT_VOXELS // math.prod(cfg["crop"])))))

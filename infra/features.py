@@ -68,7 +68,6 @@ def prepare(model, crop, cp=1):
     """The encoder for windows of `crop` voxels (its positions follow the window's token grid)."""
     w = token_grid(crop, model.patch)
     model.grid, model.L = w, math.prod(w)  # positions are sin-cos of grid coordinates: any window size works
-    model.mask_strata = cp  # (nothing is masked here; set_context_parallel only asks that strata split over cp)
     return w
 
 

@@ -39,11 +39,11 @@ import torch
 import configurator
 from infra import checkpoint, distributed, outputs
 from infra.progress import CountingWrites, Progress
-from model import build_model, head_counts
+from model import Segmenter, build_model, head_counts
 
 FORMAT, VERSION = "seismic-mae", 1
-# the MAE's top-level parts (model.MAE.__init__). Every weight belongs to exactly one of them: a part added to
-# the model later must be added here, or export fails loudly instead of silently dropping it or keeping it.
+# the models' top-level parts (model.Encoder, MAE and Segmenter). Every weight belongs to exactly one of them: a part
+# added to a model later must be added here, or export fails loudly instead of silently dropping it or keeping it.
 ENCODER = ("patch_embed", "cls_token", "blocks", "norm")
 DECODER = ("decoder_embed", "mask_token", "decoder_blocks", "decoder_norm", "decoder_pred", "seg_pred", "head")
 PRETRAINING_ONLY = ("mask_token", "decoder_pred")  # what fine-tuning (task="segment") does not use
@@ -120,7 +120,7 @@ def part(key):
     if top in DECODER:
         return "decoder"
     raise configurator.ConfigError(f"weight {key!r} belongs to neither export.ENCODER nor export.DECODER: a part "
-                                   f"added to model.MAE must be added to one of them")
+                                   f"added to model.MAE or model.Segmenter must be added to one of them")
 
 
 def _zero_state_dict(ckpt_dir, tag):
@@ -433,7 +433,7 @@ def warm_start(model, path, cfg, name=None):
     own = model.state_dict()
     want = [k for k in own if meta.get("encoder_only") is not True or part(k) == "encoder"]
     have = list(sd)
-    if model.seg_classes and meta["config"].get("task", "mae") == "mae":  # fine-tuning a pretrained MAE: its encoder
+    if isinstance(model, Segmenter) and meta["config"].get("task", "mae") == "mae":  # fine-tuning a pretrained MAE: its encoder
         want = [k for k in want if not k.startswith(("seg_pred", "head."))]  # (and with the linear head its decoder
         have = [k for k in have if not k.startswith(PRETRAINING_ONLY)]  # blocks); the head, or its output, is new
         if model.seg_head == "unetr":  # the UNETR head has no use for the MAE's decoder

@@ -17,7 +17,7 @@ import argparse
 import math
 
 import configurator
-from model import ADAMW_STATE_BYTES, SIZES, aligned_heads, build_model, head_counts
+from model import ADAMW_STATE_BYTES, SIZES, Segmenter, aligned_heads, build_model, head_counts
 
 
 def table(rows, header):
@@ -35,6 +35,41 @@ GPUS = {  # dense bf16 FLOP/s, memory, NVLink per direction, network per node (b
     "H100": {"flops": 989e12, "mem_gb": 80, "nvlink": 450e9, "net_node": 3200e9 / 8},
 }
 BLOCK_SAVED = 17  # activations saved per token per block, in units of width C (see activation_bytes)
+
+
+# -----------------------------------------------------------------------------
+# FLOPs: what a model computes per sample (the MFU's numerator; sample_seconds prices them)
+
+
+def block_flops(m, stack):
+    """Forward FLOPs of one block of `stack` ("enc" or "dec") of model m per sample (see flops_per_sample)."""
+    mlp = int(m.blocks[0].fc1.out_features / m.dim) if len(m.blocks) else 4
+    N, C = (m.n_keep() + 1, m.dim) if stack == "enc" else (m.L, m.dec_dim)
+    return (8 + 4 * mlp) * N * C * C + 4 * N * N * C
+
+
+def flops_per_sample(m):
+    """Training FLOPs per sample of model m (model.MAE or model.Segmenter): forward + backward = 3 x forward;
+    matmuls and attention only, the usual convention for MFU. A multiply-add counts 2 FLOPs.
+      per block on N tokens of width C: qkv 6NC^2 + proj 2NC^2 + mlp 16NC^2 (ratio 4) + attention 4N^2C
+    The MAE embeds its n visible patches, runs its encoder on them and cls, its decoder on all L tokens; a segmenter
+    embeds and encodes every token, then its head: UNETR's convolutions (unetr.py), or the decoder's blocks and
+    seg_pred."""
+    enc = len(m.blocks) * block_flops(m, "enc")
+    if isinstance(m, Segmenter) and m.seg_head == "unetr":
+        return 3 * (2 * m.L * m.P * m.dim + enc + m.head.flops(m.grid))
+    if isinstance(m, Segmenter):
+        return 3 * (2 * m.L * m.P * m.dim + enc + 2 * m.L * m.dim * m.dec_dim
+                    + len(m.decoder_blocks) * block_flops(m, "dec") + 2 * m.L * m.dec_dim * m.P * m.seg_out)
+    n = m.n_keep()
+    dec = 2 * n * m.dim * m.dec_dim + len(m.decoder_blocks) * block_flops(m, "dec") + 2 * m.L * m.dec_dim * m.P
+    return 3 * (2 * n * m.P * m.dim + enc + dec)
+
+
+def recompute_flops(m):
+    """FLOPs per sample that activation checkpointing adds: the forward of every block m checkpoints, again in
+    backward."""
+    return sum(block_flops(m, st) for st, _ in m.ckpt)
 
 
 def activation_bytes(m, micro_batch, cp, elem, ckpt=None):
@@ -70,7 +105,7 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt=None):
     # and head inputs, and the int64 gather indices
     persistent += (ne * (m.P + 2 * m.dim) + nd * 2 * m.dec_dim) * elem + (ne + nd + nm) * 8
     transient = recompute + nd * m.P * elem + nm * m.P * (2 * elem + 3 * 4) + nd * m.P * 2 * elem
-    if m.seg_head == "unetr":  # the head's convolutions keep their inputs at every level, down to every voxel
+    if isinstance(m, Segmenter) and m.seg_head == "unetr":  # its convolutions keep their inputs, down to every voxel
         persistent += m.head.saved_elems(m.grid) / cp * elem
     return micro_batch * persistent, micro_batch * transient
 
@@ -235,7 +270,7 @@ def sample_seconds(m, k, gpu, mfu, train=True):
     """GPU-seconds of one sample on one GPU of kind `gpu` (a GPUS row): a training pass (forward + backward, the
     first k blocks of m.ckpt_order() recomputed in backward) or, train=False, an evaluation (forward only). Three
     terms; the pass takes max(flop, attention + other):
-      flop:      the FLOPs the planner counts (m.flops_per_sample(): backward = 2 x forward; plus the forward of
+      flop:      the FLOPs the planner counts (flops_per_sample(m): backward = 2 x forward; plus the forward of
                  each recomputed block) at the MFU assumption, mfu x peak;
       attention: the fused attention kernel at its rate for each stack's head dim (attention_tflops), on the FLOPs
                  it executes: 4 N^2 C per block forward, ATTN_BWD x that in backward, one forward more per
@@ -248,7 +283,7 @@ def sample_seconds(m, k, gpu, mfu, train=True):
     then covers what the kernels' rates leave out."""
     rate = gpu["flops"] * mfu
     chosen = m.ckpt_order()[:k] if train else []
-    flops = m.flops_per_sample() + sum(m.block_flops(st) for st, _ in chosen) if train else m.flops_per_sample() / 3
+    flops = flops_per_sample(m) + sum(block_flops(m, st) for st, _ in chosen) if train else flops_per_sample(m) / 3
     attn_s = attn_counted = 0.0
     for stack, blocks, N, C in stacks(m):
         fwd = 4 * N * N * C  # one block's attention forward: q k^T and p v, 2 N^2 C each
@@ -362,7 +397,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     if cp > 1:  # what the ring's backward holds beyond the activations, for the stack where it is largest
         ring = cfg["micro_batch"] * max(ring_bytes(N / cp, C, C // blocks[0].heads, elem, cp)
                                         for _, blocks, N, C in stacks(m))
-    fps = m.flops_per_sample()
+    fps = flops_per_sample(m)
     n_blocks = len(m.ckpt_order())
     strategy = cfg["strategy"]
 
@@ -424,7 +459,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
             "activations_full_ckpt_gb": round(act_all / 1e9, 2),
             "ckpt_blocks": k_cfg, "blocks": n_blocks, "ckpt_order": list(dict.fromkeys(st for st, _ in m.ckpt_order())),
             "ckpt_blocks_fit": k_fit, "samples_per_s_ckpt_fit": sps_fit, "samples_per_s_full_ckpt": sps_full,
-            "recompute_flops_per_sample": m.recompute_flops(),
+            "recompute_flops_per_sample": recompute_flops(m),
             "head_dims": {"enc": m.dim // m.blocks[0].heads,
                           "dec": m.dec_dim // m.decoder_blocks[0].heads if len(m.decoder_blocks) else None},
             "shape_flags": shape_flags, "shapes": shape_rows,

@@ -19,7 +19,7 @@ import time
 import torch
 
 from configurator import ConfigError
-from infra import evaluate
+from infra import evaluate, plan
 
 
 
@@ -103,7 +103,7 @@ class RunLog:
         loss = self.read_back()
         dt = (time.time() - self.t_last) / self.since
         sps = job.global_batch / dt
-        flops = job.model.flops_per_sample() * sps  # achieved FLOP/s, whole job
+        flops = plan.flops_per_sample(job.model) * sps  # achieved FLOP/s, whole job
         mem = (torch.cuda.max_memory_allocated() if job.on_gpu
                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 30
         speed = (f"MFU {100 * flops / (job.world * cfg['gpu_peak_flops']):.1f}%" if job.on_gpu

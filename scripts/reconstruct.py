@@ -162,7 +162,7 @@ def main(argv):
     x = torch.from_numpy(vol.read(origin, crop))[None, None].to(device)  # (1, 1, Z, Y, X), normalised
 
     # ---- mask, forward, error
-    noise = data.mask_noise(a.seed, [0], model.L, stream="val").to(device)
+    noise = M.mask_noise(a.seed, [0], model.L, stream="val").to(device)
     with torch.no_grad():
         ids_keep = model.keep_ids(noise)
         loss, pred, mask = model(x, ids_keep=ids_keep)

@@ -57,7 +57,12 @@ def test_stratified_masking_with_one_stratum_is_mae_masking():
     noise = torch.rand(3, 40)
     E = M.encoder_tokens_per_stratum(40, 0.75, 1)
     ids = M.stratified_masking(noise, 1, E, has_cls=True)
-    ref_keep, ref_mask, _ = M.random_masking(noise, int(40 * 0.25))
+    # MAE's masking (models_mae.py random_masking): keep the 10 of least noise; the mask unshuffled by ids_restore
+    ids_shuffle = torch.argsort(noise, dim=1)
+    ref_keep = ids_shuffle[:, :int(40 * 0.25)]
+    ref_mask = torch.ones(3, 40)
+    ref_mask[:, :int(40 * 0.25)] = 0
+    ref_mask = torch.gather(ref_mask, 1, torch.argsort(ids_shuffle, dim=1))
     assert torch.equal(ids, ref_keep)
     mask, ids_restore, masked = M.mask_from_keep(ids, 40)
     assert torch.equal(mask, ref_mask)

@@ -80,7 +80,7 @@ def test_the_unetr_head_learns_and_every_weight_of_it_gets_a_gradient():
     vol, fault, _ = synthetic.faultseg_volume(SHAPE, seed=11)
     x = torch.stack([torch.from_numpy(vol[:16, :16, :32]), torch.from_numpy(fault[:16, :16, :32]).float()])[None]
     torch.manual_seed(0)
-    m = M.mae("tiny", grid=(2, 2, 4), patch=(8, 8, 8), seg_classes=2, seg_pos_weight=10.0, seg_features=8)
+    m = M.segmenter("tiny", grid=(2, 2, 4), patch=(8, 8, 8), seg_classes=2, seg_pos_weight=10.0, seg_features=8)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     first = None
     for _ in range(40):

@@ -98,7 +98,7 @@ def test_the_floor_is_scored_on_the_validation_masked_patches(tmp_path):
     crops = sampler.whole().read(fit)
     table = floor.covariance(crops, patch)
     few = fit[:floor.FIT_ALPHA]
-    keep_fit = m.keep_ids(data.mask_noise(0, few, m.L), 0, 1)
+    keep_fit = m.keep_ids(M.mask_noise(0, few, m.L), 0, 1)
     alpha = floor.fit_scale(crops[:len(few)], keep_fit, patch, table)
 
     def planted(x, ids_keep):
@@ -109,6 +109,6 @@ def test_the_floor_is_scored_on_the_validation_masked_patches(tmp_path):
 
 def test_the_whole_sample_masks_are_the_cp_ranks_shares_joined():
     m = M.mae("tiny", grid=(8, 4, 4), patch=(2, 2, 2), mask_strata=4)
-    whole = m.keep_ids(data.mask_noise(5, [0, 1, 2], m.L, 0, 1, stream="val"), 0, 1)
-    shares = [m.keep_ids(data.mask_noise(5, [0, 1, 2], m.L, r, 2, stream="val"), r, 2) + r * m.L // 2 for r in (0, 1)]
+    whole = m.keep_ids(M.mask_noise(5, [0, 1, 2], m.L, 0, 1, stream="val"), 0, 1)
+    shares = [m.keep_ids(M.mask_noise(5, [0, 1, 2], m.L, r, 2, stream="val"), r, 2) + r * m.L // 2 for r in (0, 1)]
     assert torch.equal(torch.sort(whole, 1).values, torch.sort(torch.cat(shares, 1), 1).values)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import model as M
+from infra import plan
 
 
 def test_patchify_roundtrip_exact():
@@ -67,18 +68,24 @@ def test_positions_far_apart_at_big_context():
 
 
 def test_masking():
+    """MAE's masking, one stratum: the tokens of least noise kept; the mask and the unshuffle that go with them."""
     B, L, keep = 3, 50, 12
+
+    def masking(noise):
+        ids_keep = M.stratified_masking(noise, 1, keep + 1, has_cls=True)  # (the cls token is one of the E kept)
+        mask, ids_restore, ids_masked = M.mask_from_keep(ids_keep, L)
+        return ids_keep, mask, ids_restore, ids_masked
     noise = torch.rand(B, L, generator=torch.Generator().manual_seed(1))
-    ids_keep, mask, ids_restore = M.random_masking(noise, keep)
+    ids_keep, mask, ids_restore, ids_masked = masking(noise)
     assert ids_keep.shape == (B, keep)
     assert torch.equal(mask.sum(1), torch.full((B,), float(L - keep)))
-    ids_shuffle = torch.argsort(noise, dim=1)
+    ids_shuffle = torch.cat([ids_keep, ids_masked], dim=1)  # [kept..., masked...]
     assert torch.equal(torch.gather(ids_shuffle, 1, ids_restore), torch.arange(L).expand(B, L))
     for b in range(B):
         assert set(ids_keep[b].tolist()) == set((mask[b] == 0).nonzero().flatten().tolist())
         assert set(ids_keep[b].tolist()) == set(noise[b].argsort()[:keep].tolist())  # smallest noise kept
-    again = M.random_masking(noise.clone(), keep)
-    assert all(torch.equal(a, b) for a, b in zip(again, (ids_keep, mask, ids_restore)))
+    again = masking(noise.clone())
+    assert all(torch.equal(a, b) for a, b in zip(again, (ids_keep, mask, ids_restore, ids_masked)))
 
 
 def test_loss_only_on_masked_patches():
@@ -130,7 +137,7 @@ def test_flops_estimate_matches_a_count():
     n, L, D, d, P = m.n_keep(), m.L, m.dim, m.dec_dim, m.P
     fwd = 2 * n * P * D + 4 * (24 * (n + 1) * D * D + 4 * (n + 1) ** 2 * D)
     fwd += 2 * n * D * d + 2 * (24 * L * d * d + 4 * L * L * d) + 2 * L * d * P
-    assert m.flops_per_sample() == 3 * fwd
+    assert plan.flops_per_sample(m) == 3 * fwd
 
 
 def test_tiny_model_overfits_one_batch():
@@ -185,7 +192,7 @@ def test_ckpt_order_frees_the_most_bytes_per_recomputed_flop_first():
     assert big.ckpt_order()[0] == ("enc", 0) and big.ckpt_order()[48] == ("dec", 0)
     assert tiny.ckpt_order()[0] == ("dec", 0)
     for m in (big, tiny):  # the order is by freed bytes (16 C N per block) per recomputed FLOP
-        per = {st: 16 * C * N / m.block_flops(st) for st, C, N in (("enc", m.dim, m.n_keep() + 1), ("dec", m.dec_dim, m.L))}
+        per = {st: 16 * C * N / plan.block_flops(m, st) for st, C, N in (("enc", m.dim, m.n_keep() + 1), ("dec", m.dec_dim, m.L))}
         assert per[m.ckpt_order()[0][0]] >= per[m.ckpt_order()[-1][0]]
 
 

@@ -53,7 +53,7 @@ def test_training_and_validation_crops_never_overlap(small_store, tmp_path):
     whole_t = data.Sampler([small_store], crop, seed=4)
     whole_v = data.Sampler([small_store], crop, seed=4, stream="val")
     assert [whole_t.locate(g) for g in range(10)] != [whole_v.locate(g) for g in range(10)]
-    assert not torch.equal(data.mask_noise(4, [0, 1], 16), data.mask_noise(4, [0, 1], 16, stream="val"))
+    assert not torch.equal(M.mask_noise(4, [0, 1], 16), M.mask_noise(4, [0, 1], 16, stream="val"))
 
 
 def test_a_held_out_part_too_small_for_a_crop_is_a_clear_error(small_store, tmp_path):
