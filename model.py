@@ -130,7 +130,7 @@ def mask_noise(seed, ids, L, cp_rank=0, cp_size=1, stream="train"):
 
 
 def encoder_tokens_per_stratum(L, mask_ratio, strata):
-    """E, the encoder tokens per stratum, when the L tokens are split into `strata` equal consecutive strata
+    """The encoder tokens per stratum, E, when the L tokens are split into `strata` equal consecutive strata
     and every stratum keeps E tokens, counting the cls token in stratum 0 (which keeps E - 1 patches).
     Then the encoder sequence, n_visible + 1 = strata * E, divides by strata and so by cp; the decoder
     sequence is L, which divides too. E is the nearest to MAE's int(L * (1 - mask_ratio)) + 1 that does this:
@@ -139,16 +139,16 @@ def encoder_tokens_per_stratum(L, mask_ratio, strata):
     return min(L // strata, max(1, round(target / strata)))
 
 
-def stratified_masking(noise, strata, E, has_cls):
-    """noise (B, L_loc) -> ids_keep (B, n): the E lowest-noise tokens of each of `strata` equal consecutive
-    strata of this rank's tokens (E - 1 in the first stratum of the rank that holds the cls token), each stratum's
-    in order of increasing noise. With one stratum and E = n + 1 (the cls counted) it is MAE's ids_keep,
+def stratified_masking(noise, strata, per_stratum, has_cls):
+    """noise (B, L_loc) -> ids_keep (B, n): the per_stratum (E) lowest-noise tokens of each of `strata` equal
+    consecutive strata of this rank's tokens (E - 1 in the first stratum of the rank that holds the cls token), each
+    stratum's in order of increasing noise. With one stratum and E = n + 1 (the cls counted) it is MAE's ids_keep,
     argsort(noise)[:, :n]."""
     B, L_loc = noise.shape
     Ls = L_loc // strata
     keep = []
     for s in range(strata):
-        k = E - 1 if (has_cls and s == 0) else E
+        k = per_stratum - 1 if (has_cls and s == 0) else per_stratum
         keep.append(torch.argsort(noise[:, s * Ls:(s + 1) * Ls], dim=1)[:, :k] + s * Ls)
     return torch.cat(keep, dim=1)
 
@@ -178,13 +178,14 @@ def gather_tokens(x, ids):
 # 4. attention and the transformer block
 
 
-def attention(q, k, v, cp=None):
+def attention(q, k, v, ring=None):
     """The one attention call of the model. q, k, v: (B, H, N, Dh) -> (B, H, N, Dh), non-causal.
-    cp = None: all N tokens are here, plain fused SDPA. cp = (group, attend): these are this rank's N of the
-    sequence split over `group`, and attend(q, k, v, group) is attention over the whole of it (set_context_parallel)."""
-    if cp is None:
+    ring = None: all N tokens are here, plain fused SDPA. ring = (group, attend): these are this rank's N of the
+    sequence split over the cp ranks of `group`, and attend(q, k, v, group) is attention over the whole of it
+    (set_context_parallel)."""
+    if ring is None:
         return F.scaled_dot_product_attention(q, k, v)
-    group, attend = cp
+    group, attend = ring
     return attend(q, k, v, group)
 
 
@@ -214,11 +215,11 @@ class Block(nn.Module):
         self.fc1 = nn.Linear(dim, hidden)
         self.fc2 = nn.Linear(hidden, dim)
 
-    def forward(self, x, cp=None):  # (B, N, dim), N = this rank's tokens
+    def forward(self, x, ring=None):  # (B, N, dim), N = this rank's tokens
         B, N, C = x.shape
         qkv = self.qkv(self.norm1(x)).reshape(B, N, 3, self.heads, C // self.heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, Dh)
-        a = attention(q, k, v, cp).transpose(1, 2).reshape(B, N, C)
+        a = attention(q, k, v, ring).transpose(1, 2).reshape(B, N, C)
         x = x + self.proj(a)
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
 
@@ -240,7 +241,7 @@ class Encoder(nn.Module):
         self.L = math.prod(self.grid)  # tokens per sample
         self.P = math.prod(self.patch)  # voxels per patch
         self.dim = dim
-        self.cp = None  # (group, attend) under context parallelism; set by set_context_parallel
+        self.ring = None  # (group, attend) under context parallelism (the cp ranks' ring): set_context_parallel
         # the Conv3d patch embedding, applied to the patches it is given only (PatchEmbed)
         self.patch_embed = PatchEmbed(1, dim, kernel_size=self.patch, stride=self.patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
@@ -296,20 +297,20 @@ class Encoder(nn.Module):
         size = dist.get_world_size(group) if group is not None else 1
         if size > 1:
             assert self.grid[0] % size == 0, (self.grid, size)
-        self.cp = (group, attend) if size > 1 else None
+        self.ring = (group, attend) if size > 1 else None
 
     def cp_place(self):
         """(this rank's place in the cp group, the group's size): (0, 1) without context parallelism."""
-        return (dist.get_rank(self.cp[0]), dist.get_world_size(self.cp[0])) if self.cp else (0, 1)
+        return (dist.get_rank(self.ring[0]), dist.get_world_size(self.ring[0])) if self.ring else (0, 1)
 
     def run_blocks(self, blocks, x, stack, taps=None):
         """x through `blocks`; taps (UNETR's): {block count k: None}, each set to the output after k blocks."""
         for i, blk in enumerate(blocks):
             # activation checkpointing: keep only the block's input, recompute the block in backward
             if (stack, i) in self.ckpt and self.training:
-                x = checkpoint(blk, x, self.cp, use_reentrant=False)
+                x = checkpoint(blk, x, self.ring, use_reentrant=False)
             else:
-                x = blk(x, self.cp)
+                x = blk(x, self.ring)
             if taps is not None and i + 1 in taps:
                 taps[i + 1] = x
         return x
@@ -347,7 +348,7 @@ class MAE(Encoder):
         # masking strata (a multiple of cp; train.py sets it to cp unless configured): the mask, and so the
         # model's function, depends on the strata and not on how many ranks compute it
         self.mask_strata = mask_strata
-        self.E = encoder_tokens_per_stratum(self.L, mask_ratio, mask_strata)
+        self.per_stratum = encoder_tokens_per_stratum(self.L, mask_ratio, mask_strata)  # E, encoder tokens
         self.decoder_embed = nn.Linear(dim, dec_dim)
         self.decoder_norm = nn.LayerNorm(dec_dim, eps=1e-6)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dec_dim))
@@ -359,7 +360,7 @@ class MAE(Encoder):
     def n_keep(self):
         """Visible tokens per sample: MAE's int(L * (1 - mask_ratio)), adjusted so that visible + cls
         divides by mask_strata (see encoder_tokens_per_stratum)."""
-        return self.mask_strata * self.E - 1
+        return self.mask_strata * self.per_stratum - 1
 
     def keep_ids(self, noise, cp_rank=0, cp=1):
         """noise (B, L / cp): masking noise of cp rank cp_rank's tokens -> ids_keep (B, n) int64, local indices
@@ -367,7 +368,7 @@ class MAE(Encoder):
         mask never passes through a float cast of the model's inputs (FSDP2 casts every floating input to the
         compute dtype: in bf16, noise ties would decide the mask) and is the same under every strategy."""
         assert self.mask_strata % cp == 0, f"mask_strata {self.mask_strata} does not split over cp {cp}"
-        return stratified_masking(noise, self.mask_strata // cp, self.E, has_cls=(cp_rank == 0))
+        return stratified_masking(noise, self.mask_strata // cp, self.per_stratum, has_cls=(cp_rank == 0))
 
     def forward_decoder(self, latent, ids_restore, offset=0, has_cls=True):
         """latent (B, has_cls + n, dim) -> pred (B, L_loc, P), this rank's tokens in their original order.
@@ -403,7 +404,7 @@ class MAE(Encoder):
         pred = self.forward_decoder(latent, ids_restore, offset=r * L_loc, has_cls=(r == 0))
         loss_sum, count = mae_loss(pred, patches, ids_masked, self.norm_pix_loss)
         if W > 1:
-            dist.all_reduce(count, group=self.cp[0])  # masked patches of the whole sample (no gradient flows here)
+            dist.all_reduce(count, group=self.ring[0])  # masked patches of the whole sample (no gradient flows here)
         return loss_sum / count, pred, mask
 
 
@@ -450,7 +451,7 @@ class Segmenter(Encoder):
         latent = self.forward_encoder(patches, ids[None].expand(B, -1), offset=r * L_loc, has_cls=False, taps=taps)
         if taps is not None:
             g = (x.shape[2] // self.patch[0],) + self.grid[1:]  # this rank's token grid: a slab of gz / cp planes
-            logits = self.head(x, [taps[k] for k in self.head.taps[:-1]] + [latent], g, self.cp)  # (B, C, Z_loc..)
+            logits = self.head(x, [taps[k] for k in self.head.taps[:-1]] + [latent], g, self.ring)  # (B, C, Z_loc..)
             return torch.stack([patchify(logits[:, c:c + 1], self.patch) for c in range(self.seg_out)], -1)
         h = self.decoder_embed(latent) + sincos_pos_embed(ids + r * L_loc, self.grid, self.dec_dim, latent.dtype)
         h = self.decoder_norm(self.run_blocks(self.decoder_blocks, h, "dec"))

@@ -355,7 +355,7 @@ def evaluate_only(job, start):
     if not start:
         raise configurator.ConfigError(f"eval_only=True but {job.cfg['out_dir']}/ckpt holds no complete checkpoint "
                                        f"to evaluate")
-    record, _ = evaluate.on_job(job, start, None)
+    record, _ = evaluate.validate(job, start, None)
     job.log(json.dumps(record))  # the last line: the values, as log.jsonl holds them
     return 0
 

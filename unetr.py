@@ -61,9 +61,10 @@ class Halo(torch.autograd.Function):
         return gx, None
 
 
-def halo(x, cp):
-    """Pad the inline axis by one plane each side: the neighbouring slabs' under cp, zeros at the sample's ends."""
-    return F.pad(x, (0, 0, 0, 0, 1, 1)) if cp is None else Halo.apply(x, cp[0])
+def halo(x, ring):
+    """Pad the inline axis by one plane each side: the neighbouring slabs' under cp (ring: the model's (group,
+    attend), or None), zeros at the sample's ends."""
+    return F.pad(x, (0, 0, 0, 0, 1, 1)) if ring is None else Halo.apply(x, ring[0])
 
 
 class ConvBlock(nn.Module):
@@ -74,8 +75,8 @@ class ConvBlock(nn.Module):
         self.conv1 = nn.Conv3d(cin, cout, 3, padding=(0, 1, 1))
         self.conv2 = nn.Conv3d(cout, cout, 3, padding=(0, 1, 1))
 
-    def forward(self, x, cp=None):
-        return F.relu(self.conv2(halo(F.relu(self.conv1(halo(x, cp))), cp)))
+    def forward(self, x, ring=None):
+        return F.relu(self.conv2(halo(F.relu(self.conv1(halo(x, ring))), ring)))
 
 
 def up_scales(patch):
@@ -122,7 +123,7 @@ class UNETRHead(nn.Module):
         """The factors from level `level` to level - 1."""
         return self.scales[self.n - level]
 
-    def forward(self, x, feats, g, cp=None):
+    def forward(self, x, feats, g, ring=None):
         """x (B, 1, Z_loc, Y, X) this rank's amplitude, feats: n token features (B, L_loc, dim) (the taps, shallow
         first, then the encoder's output), g: this rank's token grid -> logits (B, out, Z_loc, Y, X)."""
         grid = [f.transpose(1, 2).reshape(f.shape[0], f.shape[2], *g) for f in feats]  # (B, dim, gz_loc, gy, gx)
@@ -134,8 +135,8 @@ class UNETRHead(nn.Module):
                 for t in self.skips[j - 1]:
                     s = F.relu(t(s))
             else:
-                s = self.stem(x, cp)
-            h = self.blocks[j](torch.cat([h, s.to(h.dtype)], 1), cp)
+                s = self.stem(x, ring)
+            h = self.blocks[j](torch.cat([h, s.to(h.dtype)], 1), ring)
         return self.out(h)
 
     def voxels(self, grid):

@@ -302,11 +302,11 @@ def sec_big_blocks(smoke, dev, out_dir):
         blk = M.Block(C, H).to(dev, dtype)
         x = torch.randn(1, n, C, device=dev, dtype=dtype)
         dout = torch.randn(1, n, C, device=dev, dtype=dtype)
-        ring = (SelfRing(W, via), RA.ring_attention)  # a Block's cp: (group, attention over the split sequence)
+        ring = (SelfRing(W, via), RA.ring_attention)  # a Block's ring: (group, attention over the split sequence)
 
-        def fwd_bwd(cp):
+        def fwd_bwd(ring):
             xi = x.clone().requires_grad_()
-            y = blk(xi, cp)
+            y = blk(xi, ring)
             y.backward(dout)
             return y.detach(), xi.grad
 

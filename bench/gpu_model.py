@@ -259,7 +259,7 @@ def _rank_step(smoke, dev, out_dir, name):
     dtype = torch.bfloat16
     torch.manual_seed(cfg["seed"])
     m = M.build_model(cfg, device=dev, train=True).to(dtype).train()
-    m.cp = (SelfRing(W, via), RA.ring_attention)  # (set_context_parallel asks a process group its size: this is none)
+    m.ring = (SelfRing(W, via), RA.ring_attention)  # (set_context_parallel asks a process group its size: this is none)
     crop = cfg["crop"]
     x = torch.randn(1, 1, crop[0] // W, crop[1], crop[2], device=dev, dtype=dtype)  # rank 0's slab
     ids_keep = m.keep_ids(M.mask_noise(cfg["seed"], [0], m.L, 0, W), 0, W).to(dev)
@@ -277,7 +277,7 @@ def _rank_step(smoke, dev, out_dir, name):
 
     for blk, n, C in ((m.blocks[0], n_enc, m.dim), (m.decoder_blocks[0], n_dec, m.dec_dim)):  # the warm-up
         xi = torch.randn(1, n, C, device=dev, dtype=dtype, requires_grad=True)
-        blk(xi, m.cp).sum().backward()
+        blk(xi, m.ring).sum().backward()
         del xi
     m.zero_grad(set_to_none=True)
     _sync(dev)

@@ -4,7 +4,7 @@ sample 0 that the reconstruction figure shows.
 
     val_loss, per_sample, slices = evaluate.run(forward, model, sampler, seed, n, ...)   any caller, all ranks
     val_loss, scores, slices = evaluate.run_segment(forward, model, sampler, n, ...)     fine-tuning's
-    record, figure = evaluate.on_job(job, step, log_file)     train.py's: {step, val_loss (, val_iou, val_dice)}
+    record, figure = evaluate.validate(job, step, log_file)     train.py's: {step, val_loss (, val_iou, val_dice)}
 
 The validation set is samples 0 .. n-1 of the validation stream (data.Sampler(stream="val"), inside the
 held-out inlines or the val_paths stores): sample i's crop and mask are functions of (seed, i) alone, so the
@@ -167,21 +167,21 @@ def floor_of(job):
     return {"val_floor": total / n, "floor_alpha": round(alpha, 4)}
 
 
-def on_job(job, step, log_file):
+def validate(job, step, log_file):
     """train.py's evaluation: the validation loss of the job's model as it is now, after `step` optimizer
     steps. Every rank computes its share (run), rank 0 logs it (log_file: log.jsonl, or None) and draws the
     figures. Returns (the record log.jsonl gets: step, val_loss, and for fine-tuning val_iou and val_dice per class;
     the Figure on rank 0 when figures are on, else None)."""
     cfg, t0 = job.cfg, time.time()
     segment = cfg["task"] == "segment"
-    where = (job.device, job.dtype, cfg["micro_batch"], job.cp_rank, job.cp, job.dp_rank, job.dp_size)
+    layout = (job.device, job.dtype, cfg["micro_batch"], job.cp_rank, job.cp, job.dp_rank, job.dp_size)
     job.engine.eval()
     try:
         if segment:
-            val, scores, slices = run_segment(job.engine, job.model, job.val_sampler, cfg["eval_samples"], *where,
+            val, scores, slices = run_segment(job.engine, job.model, job.val_sampler, cfg["eval_samples"], *layout,
                                               want_slices=cfg["figures"])
         else:
-            val, per, slices = run(job.engine, job.model, job.val_sampler, cfg["seed"], cfg["eval_samples"], *where,
+            val, per, slices = run(job.engine, job.model, job.val_sampler, cfg["seed"], cfg["eval_samples"], *layout,
                                    want_slices=cfg["figures"])
     finally:
         job.engine.train()

@@ -121,7 +121,7 @@ class RunLog:
             return
         self.read_back()  # the training records up to here are in log.jsonl before loss.png reads it
         t0 = time.time()
-        record, fig = evaluate.on_job(self.job, done, self.file)
+        record, fig = evaluate.validate(self.job, done, self.file)
         if self.tb:
             self.tb.add_scalar("loss/val", record["val_loss"], done)
             for c, iou in enumerate(record.get("val_iou", [])):
