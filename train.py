@@ -4,10 +4,11 @@ Pretrain a 3D ViT-MAE on seismic volumes with DeepSpeed ZeRO-2 (or ZeRO-3, or FS
     bash launch.sh config/quickstart.py                 # one machine: all GPUs, or 2 CPU ranks
     python train.py config/quickstart.py --max_steps=20 # one process, no launcher
 
-Read top to bottom: the config check (every key, its default and meaning are in configurator.py; every bad
-input fails here, before any work), setup (distributed, data, model, the strategy's engine), one training
-step, the run's log, main() (the config, its check, the dry run or setup) and run(): resume, then the loop with its
-evaluations, checkpoints and stop signals.
+Read top to bottom: check() (every key, its default, meaning and check are in configurator.py; every bad input
+fails here, before any work), the lr schedule, setup (distributed, data, the model and its optimizer from model.py,
+the strategy's engine), one training step, main() (the config, its check, the dry run or setup) and run(): resume,
+then the loop. What the loop asks at a step boundary, whether to checkpoint and whether to stop, infra/ops.py
+answers (it owns the lease, the stop signals and the checkpoint writes); infra/runlog.py writes the log.
 One training step is grad_accum micro steps of micro_batch samples on each of the dp_size data-parallel
 ranks, and each sample is split over the cp ranks of a context-parallel group:
     world        = dp_size * cp                                 (CP groups: contiguous ranks, one node)
