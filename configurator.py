@@ -202,7 +202,7 @@ def defaults():
 # checking them: what a value may be (ranges, combinations), everything that can be checked before any work
 
 # The numeric keys' ranges: (least, most, whether the least itself is allowed); None: no bound. Every int or float
-# key is here or checked below with a message of its own (tests/test_errors.py holds every key to a bad value).
+# key is here or checked below with a message of its own (tests/test_mistakes.py holds every key to a bad value).
 BOUNDS = {k: (1, None, True) for k in ("max_steps", "micro_batch", "grad_accum", "log_interval", "ckpt_interval",
                                        "keep_ckpts", "in_flight", "prefetch", "zero_bucket", "zero3_max_live",
                                        "max_open_stores", "eval_interval", "nodes", "seg_features")}
