@@ -131,10 +131,10 @@ def state_bytes(n, strategy, W, d, cfg, on_gpu=True):
     n = param_counts(model); d = bytes per element of the compute dtype (2 bf16, 4 fp32); gradients are reduced
     and kept in fp32 (train.py: communication_data_type and grad_accum_dtype, FSDP2's reduce_dtype). Under every
     strategy Adam keeps fp32 master weights (4 bytes) and m, v (model.ADAMW_STATE_BYTES) for this rank's share
-    P/W: (4 + ADAMW_STATE_BYTES) P/W. Each other term is a tensor that DeepSpeed 0.19 / PyTorch 2.13 allocate (found with the profiler and in their source); memory_check measures
-    them on CPU. What differs on a GPU (on_gpu) is taken from the source, not measured: two reduce buckets
-    (overlap_comm), AdamW's foreach step (one temporary per group where the CPU's per-tensor step makes two),
-    and no gloo copies."""
+    P/W: (4 + ADAMW_STATE_BYTES) P/W. Each other term is a tensor that DeepSpeed 0.19 / PyTorch 2.13 allocate
+    (found with the profiler and in their source); memory_check measures them on CPU. What differs on a GPU
+    (on_gpu) is taken from the source, not measured: two reduce buckets (overlap_comm), AdamW's foreach step (one
+    temporary per group where the CPU's per-tensor step makes two), and no gloo copies."""
     P, Pw, blk, B = n["P"], n["P"] / W, n["block"], cfg["zero_bucket"]
     master_adam = 4 + ADAMW_STATE_BYTES  # per parameter of this rank's share: the fp32 master and AdamW's moments
     Bn = min(B, P)  # a bucket never holds more gradients than there are
