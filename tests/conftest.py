@@ -1,6 +1,7 @@
 """Shared fixtures: a small synthetic MDIO store, and a helper that runs train.py as a real job."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -18,6 +19,13 @@ from infra import synthetic  # noqa: E402
 _VENV_BIN = os.path.dirname(sys.executable)
 if not os.environ.get("PATH", "").startswith(_VENV_BIN + os.pathsep):
     os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
+
+
+# A suite started with SIGINT ignored (in the background of a non-interactive shell, or under nohup) hands that on to
+# every process it starts, and neither Python nor bash can then take a Ctrl-C: the tests that send one would fail
+# for a reason of the suite's start, not of the code. Its children start with SIGINT at its default, as a terminal's
+# commands do (a caught signal is reset to the default at exec; an ignored one would stay ignored).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_configure(config):

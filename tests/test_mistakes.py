@@ -476,6 +476,8 @@ def test_ctrl_c_to_a_command_is_one_line_and_the_shells_code(small_store, tmp_pa
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
     finally:
+        if p.poll() is None:  # (not stopped by it: it must not go on retrying after the test)
+            p.kill()
         silent.stop()
     assert p.returncode == -signal.SIGINT, (p.returncode, err[-2000:])
     assert err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)") and "Traceback" not in err, err[-2000:]

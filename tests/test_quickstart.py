@@ -27,7 +27,7 @@ def test_quickstart_learns_evaluates_and_checkpoints(quickstart):
         "loss.png", "recon_step_0000000.png", "recon_step_0000250.png", "recon_step_0000500.png"]
     assert "evaluation took" in r.stdout
     again = launch_quickstart(f"--data_paths=['{store}']", f"--out_dir={out}")  # same command: nothing left to do
-    assert again.returncode == 0 and "run already complete" in again.stdout
+    assert again.returncode == 0 and "run already complete" in again.stdout, again.stderr[-3000:]
     assert [x["step"] for x in read_log(out)] == list(range(500))  # (asked for more, it resumes: test_launch.py)
 
 
