@@ -20,9 +20,10 @@ from bench.gpu_attention import HERE, _sync
 # instructions multiplies bf16 at about 1 GFLOP/s (bench/step.py's matmul_flops), so the full batch made the smoke
 # run for many minutes
 SMOKE_BATCH = ["--micro_batch=2"]
-# --cpu-smoke: no kriging floor at the validations of stop_signal's, embed's and bf16_strategies' runs, which do not
-# check it: at the quickstart's crops a CPU takes longer for it than for the runs' steps (eval_s of each run's first
-# validation record), and tests/test_floor.py proves it on CPU. On the GPU these runs compute it as every run does
+# --cpu-smoke: no kriging floor at the validations of stop_signal's, embed's, bf16_strategies' and elastic's runs,
+# which do not check it: at the quickstart's crops a CPU takes longer for it than for the runs' steps (eval_s of each
+# run's first validation record), and tests/test_floor.py proves it on CPU. On the GPU these runs compute it as every
+# run does
 SMOKE_NO_FLOOR = ["--val_floor=False"]
 
 
@@ -212,7 +213,7 @@ def sec_elastic(smoke, dev, out_dir, steps=None):
     d = os.path.join(out_dir, "elastic")
     base = [os.path.join(HERE, "train.py"), os.path.join(HERE, "config/quickstart.py"), f"--data_paths=['{d}/qs.mdio']",
             "--make_synthetic=True", f"--max_steps={steps}", "--dtype=bfloat16", "--log_interval=1",
-            f"--ckpt_interval={half}", "--eval_interval=1000", "--figures=False"]
+            f"--ckpt_interval={half}", "--eval_interval=1000", "--figures=False", *(SMOKE_NO_FLOOR if smoke else [])]
     cpu_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     cpu = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *base,
                           f"--micro_batch={mb}", f"--out_dir={d}/cpu"], env=cpu_env, capture_output=True, text=True,

@@ -2,8 +2,11 @@
 process as on a GPU machine, so that nothing fails there for a reason a CPU can show. And the runner's own
 promises: a clean environment for each section, a line per section even when one runs past its limit."""
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -58,11 +61,24 @@ def test_a_section_past_its_limit_costs_only_itself(tmp_path):
 
 def test_the_budgets_end_cuts_or_skips_a_section_and_fails_none(tmp_path):
     # a section the budget's end stops is "cut (budget)", one it leaves no time for "skipped (budget)": listed, not
-    # failures (elastic's smoke, two training runs and a checkpoint conversion, takes about 50 s)
-    r = _run(tmp_path / "cut", "--only=env,elastic", "--budget_s=30")
-    summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["status"] == {"env": "ok", "elastic": "cut (budget)"}, summary
-    assert r.returncode == 0 and summary["ok"] and "the budget's end" in summary["sections"]["elastic"]["error"]
+    # failures. The section to cut is held still as soon as it starts (SIGSTOP to its process group: it is alive,
+    # and not done, when the budget ends), so that the budget's end decides, not how fast this machine runs it
+    out = tmp_path / "cut"
+    p = subprocess.Popen([sys.executable, "-m", "bench.gpu", "--cpu-smoke", f"--out={out}", "--only=env,elastic",
+                          "--budget_s=20"], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    deadline, section = time.time() + 60, []
+    while not section and time.time() < deadline and p.poll() is None:
+        section = subprocess.run(["pgrep", "-f", f"bench.gpu --section=elastic --out={out}"], capture_output=True,
+                                 text=True).stdout.split()
+        time.sleep(0.05)
+    assert section, p.communicate()
+    os.killpg(int(section[0]), signal.SIGSTOP)  # (its own group: the runner starts each section in a new session)
+    stdout, stderr = p.communicate(timeout=120)
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["status"] == {"env": "ok", "elastic": "cut (budget)"}, (summary, stderr[-3000:])
+    assert p.returncode == 0 and summary["ok"] and "the budget's end" in summary["sections"]["elastic"]["error"]
+    assert not subprocess.run(["pgrep", "-f", f"--section=elastic --out={out}"], capture_output=True).stdout
     r = _run(tmp_path / "skip", "--only=ops", "--budget_s=10")
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert r.returncode == 0 and summary["ok"] and summary["status"] == {"ops": "skipped (budget)"}, summary

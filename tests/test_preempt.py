@@ -101,40 +101,36 @@ def resume_to_the_end(store, out_dir, n):
     assert not (out_dir / "STOPPED").exists()
 
 
-def test_sigterm_then_sigusr1_each_checkpoint_where_they_stop_and_the_run_ends_on_the_uninterrupted_trajectory(
+def test_sigterm_sigusr1_and_ctrl_c_each_checkpoint_where_they_stop_and_the_run_ends_on_the_uninterrupted_trajectory(
         small_store, tmp_path, reference):
-    """SIGTERM to launch.sh (which forwards it to the ranks); the relaunch resumes, and then gets SIGUSR1 the way
-    SLURM sends it: to every process of the job (launch.sh, torchrun, each rank), so that the ranks get it twice
-    (from SLURM and from launch.sh). Each stop is one checkpoint at its step; the last relaunch finishes, and the
+    """One run stopped four times, each relaunch resuming from the stop before:
+    - SIGTERM to launch.sh (which forwards it to the ranks);
+    - SIGUSR1 the way SLURM sends it: to every process of the job (launch.sh, torchrun, each rank), so that the ranks
+      get it twice (from SLURM and from launch.sh);
+    - Ctrl-C as a terminal sends it (SIGINT to launch.sh's process group: launch.sh and torchrun; the ranks are in
+      sessions of their own): the STOPPED line last, no traceback, launch.sh dies of the SIGINT (the shell's 130);
+    - SIGINT to launch.sh alone, the same.
+    Each stop is one checkpoint at its step (keep_ckpts 2: with the one before); the last relaunch finishes, and the
     whole trajectory (training and validation losses) equals the uninterrupted run's."""
     d = tmp_path / "run"
     p = run_until_steps(small_store, d, 5)
     os.kill(p.pid, signal.SIGTERM)
-    n = check_stopped(p, d, "SIGTERM", [])
-    p = run_until_steps(small_store, d, n + 5)  # the relaunch resumes from step n (the log grows past it)
+    stops = [check_stopped(p, d, "SIGTERM", [])]
+    p = run_until_steps(small_store, d, stops[-1] + 5)  # the relaunch resumes from there (the log grows past it)
     pids = job_processes(d)
     assert p.pid in pids and len(pids) >= 4, pids  # launch.sh, torchrun, 2 ranks
     for pid in pids:
         os.kill(pid, signal.SIGUSR1)
-    m = check_stopped(p, d, "SIGUSR1", [n])
-    assert f"resumed from {d}/ckpt/step_{n:07d} (step {n})" in open(f"{d}.log").read()
-    resume_to_the_end(small_store, d, m)
-    same_trajectory(reference, d)
-
-
-def test_ctrl_c_checkpoints_where_it_stops_from_the_terminal_or_to_launch_sh_alone(small_store, tmp_path, reference):
-    """Ctrl-C as a terminal sends it (SIGINT to launch.sh's process group: launch.sh and torchrun; the ranks are in
-    sessions of their own), then SIGINT to launch.sh alone: each is one checkpoint at its step, the STOPPED line last,
-    no traceback, and launch.sh dies of the SIGINT (the shell's 130). The relaunches end on the uninterrupted run."""
-    d = tmp_path / "run"
-    p = run_until_steps(small_store, d, 5)
+    stops.append(check_stopped(p, d, "SIGUSR1", stops[-1:]))
+    assert f"resumed from {d}/ckpt/step_{stops[0]:07d} (step {stops[0]})" in open(f"{d}.log").read()
+    p = run_until_steps(small_store, d, stops[-1] + 5)
     os.killpg(p.pid, signal.SIGINT)
-    n = check_stopped(p, d, "SIGINT", [])
+    stops.append(check_stopped(p, d, "SIGINT", stops[-1:]))
     assert "launch.sh: Ctrl-C: the ranks write a checkpoint after their current step" in open(f"{d}.log").read()
-    p = run_until_steps(small_store, d, n + 5)
+    p = run_until_steps(small_store, d, stops[-1] + 5)
     os.kill(p.pid, signal.SIGINT)
-    m = check_stopped(p, d, "SIGINT", [n])
-    resume_to_the_end(small_store, d, m)
+    stops.append(check_stopped(p, d, "SIGINT", stops[-1:]))
+    resume_to_the_end(small_store, d, stops[-1])
     same_trajectory(reference, d)
 
 
