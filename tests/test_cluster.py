@@ -246,7 +246,8 @@ def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(slurm, smal
     """The job's --signal=USR1@stop_lead_s (sbatch's, from launch.sh) reaches the ranks before the time limit: they
     write a checkpoint at the step they are in and exit 75; with REQUEUE=1 the batch script requeues the job, which
     resumes from it. The limit is brought near while the job trains (scontrol update TimeLimit=2 with a 100 s lead:
-    SLURM sends the warning at its next time-limit check), then moved away again for the requeued run. scancel then
+    SLURM sends the warning at its next time-limit check), then moved away again for the requeued run, which is
+    released at once. scancel then
     stops that one with SIGTERM: a checkpoint again, but no requeue (the user's cancel stands)."""
     out, logs = tmp_path / "out", tmp_path / "logs"
     args = small_args(small_store, out, max_steps=100000, ckpt_interval=100000, eval_interval=100000)
@@ -257,8 +258,9 @@ def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(slurm, smal
     assert r.returncode == 0, r.stdout + r.stderr
     job = re.search(r"Submitted batch job (\d+)", r.stdout).group(1)
 
-    def update(limit):
-        subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={limit}"], env=slurm.env(), check=True)
+    def update(limit, *more):
+        subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={limit}", *more], env=slurm.env(),
+                       check=True)
 
     def wait_for(cond, what, timeout=240):
         deadline = time.time() + timeout
@@ -272,7 +274,9 @@ def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(slurm, smal
         update(2)  # 120 s from the start, which is > 20 s ago: the 100 s warning is due at once
         wait_for(lambda: (out / "STOPPED").exists(), "the ranks stopped", timeout=120)
         wait_for(lambda: slurm.job(job).get("JobState") == "PENDING", "requeued", timeout=60)
-        update(10)  # the requeued run gets its time back (it would be warned again during its start-up)
+        # the requeued run gets its time back (it would be warned again during its start-up), and starts now: SLURM
+        # holds a requeued job for a while (Reason=BeginTime), which only the test's clock minds
+        update(10, "StartTime=now")
         stopped = (out / "STOPPED").read_text()
         n = int(re.search(r"after (\d+) steps", stopped).group(1))
         assert stopped.startswith(f"stopped by SIGUSR1 after {n} steps: checkpoint {out}/ckpt/step_{n:07d} is "
