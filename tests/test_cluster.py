@@ -247,8 +247,8 @@ def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(slurm, smal
     write a checkpoint at the step they are in and exit 75; with REQUEUE=1 the batch script requeues the job, which
     resumes from it. The limit is brought near while the job trains (scontrol update TimeLimit=2 with a 100 s lead:
     SLURM sends the warning at its next time-limit check), then moved away again for the requeued run, which is
-    released at once. scancel then
-    stops that one with SIGTERM: a checkpoint again, but no requeue (the user's cancel stands)."""
+    released at once. scancel then stops that one with SIGTERM: a checkpoint again, but no requeue (the user's cancel
+    stands)."""
     out, logs = tmp_path / "out", tmp_path / "logs"
     args = small_args(small_store, out, max_steps=100000, ckpt_interval=100000, eval_interval=100000)
     r = subprocess.run(["bash", "launch.sh", "config/quickstart.py", *args, "--make_synthetic=False", "--nodes=2",
