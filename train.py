@@ -289,8 +289,15 @@ def run(job, stop):
     start = resume(job)
     if cfg["eval_only"]:
         return evaluate_only(job, start)
-    if start is None:
-        return 0  # the run is already complete
+    if start is None:  # the run is already complete: nothing to train, and every rank leaves together, with its
+        # data readers closed, as at a run's end (ranks that left at once, the moment rank 0's broadcast of the
+        # checkpoints arrived, were seen to abort in gloo's teardown at exit: "terminate called without an active
+        # exception", about one relaunch in 30)
+        for closing in (job.sampler, job.val_sampler):
+            if closing is not None:
+                closing.close()
+        torch.distributed.barrier()
+        return 0
     end = cfg["max_steps"] if cfg["stop_step"] <= 0 else min(cfg["max_steps"], cfg["stop_step"])
     ops = Operations(job, stop, end)  # the lease, the stop signals, STOPPED, the checkpoints
     runlog, t_run = RunLog(job), time.time()
