@@ -291,8 +291,8 @@ def run(job, stop):
         return evaluate_only(job, start)
     if start is None:  # the run is already complete: nothing to train, and every rank leaves together, with its
         # data readers closed, as at a run's end (ranks that left at once, the moment rank 0's broadcast of the
-        # checkpoints arrived, were seen to abort in gloo's teardown at exit: "terminate called without an active
-        # exception", about one relaunch in 30)
+        # checkpoints arrived, now and then aborted in gloo's teardown at exit: "terminate called without an active
+        # exception")
         for closing in (job.sampler, job.val_sampler):
             if closing is not None:
                 closing.close()
