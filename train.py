@@ -276,9 +276,13 @@ def main(argv, stop=None):
         if stop_signals.interrupted:  # a peer stopped at once by the same Ctrl-C, before this rank's own came
             raise Interrupted(where_it_stands(cfg, started=job is not None)) from None
         raise
-    finally:  # the run is over on rank 0 (done, stopped, or failed here): out_dir is free for the next one
-        if job and job.lease:
-            job.lease.release()
+    finally:  # the run is over (done, stopped, or failed here)
+        if job:
+            for closing in (job.sampler, job.val_sampler):  # its data readers
+                if closing is not None:
+                    closing.close()
+            if job.lease:  # rank 0's: out_dir is free for the next run
+                job.lease.release()
 
 
 def run(job, stop):
@@ -289,13 +293,9 @@ def run(job, stop):
     start = resume(job)
     if cfg["eval_only"]:
         return evaluate_only(job, start)
-    if start is None:  # the run is already complete: nothing to train, and every rank leaves together, with its
-        # data readers closed, as at a run's end (ranks that left at once, the moment rank 0's broadcast of the
-        # checkpoints arrived, now and then aborted in gloo's teardown at exit: "terminate called without an active
-        # exception")
-        for closing in (job.sampler, job.val_sampler):
-            if closing is not None:
-                closing.close()
+    if start is None:  # the run is already complete: nothing to train, and every rank leaves together, as at a
+        # run's end (ranks that left at once, the moment rank 0's broadcast of the checkpoints arrived, now and then
+        # aborted in gloo's teardown at exit: "terminate called without an active exception")
         torch.distributed.barrier()
         return 0
     end = cfg["max_steps"] if cfg["stop_step"] <= 0 else min(cfg["max_steps"], cfg["stop_step"])
@@ -324,9 +324,8 @@ def run(job, stop):
         runlog.end(t_run)
     finally:
         ops.close()
-        for closing in (batches, job.sampler, job.val_sampler, runlog):
-            if closing is not None:
-                closing.close()
+        for closing in (batches, runlog):
+            closing.close()
     return ops.finish(done)
 
 
