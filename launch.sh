@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Launch train.py:   bash launch.sh CONFIG [--key=value ...]
+# or a survey-wide command on the same ranks:   bash launch.sh -m scripts.predict MODEL SURVEY --out=PATH [...]
 #
 # The mode is chosen automatically (MODE=local|slurm|hostfile overrides):
 #   local      one machine: torchrun --standalone, one rank per GPU, or NPROC CPU ranks (default 2) without GPU
@@ -24,6 +25,11 @@
 # DRY_RUN=1: print the environment and the exact command every node would run, for the config's node count,
 # then run train.py's validation and the memory planner only (no GPU, no data, no training).
 #
+# A command (-m scripts.predict) has no config: NODES says how many nodes (default 1; inside a SLURM allocation, its
+# nodes), and its paths are relative to the repository, as a config's are. It stops as a run does, after its ranks'
+# current output tiles, which are kept: the line it ends with (STOPPED_<job> in LOG_DIR while it runs) says so, and
+# the same command goes on from them. Its SLURM warning comes STOP_LEAD seconds before the time limit.
+#
 # Stopping (infra/stop.py's StopRequest): SIGTERM or SIGUSR1 to this script (or, under SLURM, to the job)
 # makes the ranks write a checkpoint at the next step boundary and exit; this script then ends with the line of
 # out_dir/STOPPED and exit code 75 ("stopped, resumable": run the same command again to continue). Under SLURM
@@ -37,8 +43,9 @@
 # THREADS (CPU threads per rank), PYTHON (interpreter; default python3 on PATH), PORT (rendezvous, 29500),
 # LOG_DIR (per-node logs, default logs/), SSH_OPTS (extra ssh options in hostfile mode, e.g. "-p 2222"),
 # HYPERPOD (1/0: SageMaker HyperPod's srun --auto-resume; default: 1 where /opt/sagemaker_cluster exists),
-# REQUEUE (1: sbatch --requeue, and a job stopped by its time-limit warning requeues itself; default 0). Each is
-# checked first: a bad value is one error line.
+# REQUEUE (1: sbatch --requeue, and a job stopped by its time-limit warning requeues itself; default 0); for a
+# command: NODES (default 1) and STOP_LEAD (seconds, default 300: longer than a tile takes; predict's JSON line gives
+# the seconds of its tiles). Each is checked first: a bad value is one error line.
 set -euo pipefail
 NODE=0
 if [ "${1:-}" = "--node" ]; then NODE=1; shift; fi  # started by launch.sh itself on one node (see above)
@@ -48,9 +55,19 @@ cd "$ROOT"
 
 if [ $# -lt 1 ]; then
   echo "usage: bash launch.sh CONFIG [--key=value ...]   e.g. bash launch.sh config/quickstart.py" >&2
+  echo "       bash launch.sh -m scripts.predict MODEL SURVEY --out=PATH [...]" >&2
   exit 2
 fi
-if [ ! -f "$1" ]; then
+# what the ranks run: train.py and a config, or a command that speaks the stop protocol (its module after -m). "$@"
+# stays whole (with -m NAME): it is what a node's launch.sh is given again.
+COMMAND=0
+PROGRAM=train.py
+if [ "$1" = "-m" ]; then
+  case "${2:-}" in
+    scripts.predict) COMMAND=1; PROGRAM="" ;;
+    *) echo "error: launch.sh runs train.py (a config) or -m scripts.predict, not '-m ${2:-}'" >&2; exit 2 ;;
+  esac
+elif [ ! -f "$1" ]; then
   echo "error: config file '$1' not found (configs live in config/)" >&2
   exit 2
 fi
@@ -75,6 +92,11 @@ whole() {  # NAME VALUE LEAST [MOST]: a whole number in range, or the error line
 }
 if [ -n "${NPROC:-}" ]; then whole NPROC "$NPROC" 1; NPROC=$((10#$NPROC)); fi
 if [ -n "${THREADS:-}" ]; then whole THREADS "$THREADS" 1; THREADS=$((10#$THREADS)); fi
+if [ "$COMMAND" = 1 ]; then
+  if [ -n "${NODES:-}" ]; then whole NODES "$NODES" 1; NODES=$((10#$NODES)); fi
+  STOP_LEAD=${STOP_LEAD:-300}
+  whole STOP_LEAD "$STOP_LEAD" 1
+fi
 whole PORT "$PORT" 1 65535
 for knob in DRY_RUN REQUEUE HYPERPOD; do
   case "${!knob:-0}" in 0|1) ;; *) echo "error: $knob='${!knob}' must be 1 or 0" >&2; exit 2 ;; esac
@@ -92,16 +114,31 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 fi
 
+# one id for the whole launch, on every node: the rendezvous's, and a command's STOPPED file's
+RDZV_ID=${RDZV_ID:-mae$$}
 # ---- what the config asks for: train.py's dry run prints "LAUNCH nodes=N gpus_per_node=G world=W"
 if [ "$NGPU" -eq 0 ]; then export DS_ACCELERATOR=cpu; fi
-# (MAE_LAUNCH_NODE: on a node that launch.sh started, the job's own rank 0 may already hold out_dir's lease, which the
-# dry run checks on a user's launch: infra/lease.py)
-PLAN=$(NPROC=${NPROC:-2} MAE_LAUNCH_NODE=$NODE "$PYTHON" train.py "$@" --dry_run=True 2>&1) || { echo "$PLAN" >&2; exit 2; }
-NODES=$(echo "$PLAN" | sed -n 's/^LAUNCH nodes=\([0-9]*\).*/\1/p')
-GPN=$(echo "$PLAN" | sed -n 's/^LAUNCH .*gpus_per_node=\([0-9]*\).*/\1/p')
-CONFIG_GPUS=$(echo "$PLAN" | sed -n 's/^LAUNCH .*config_gpus=\([0-9]*\).*/\1/p')
-OUT_DIR=$(echo "$PLAN" | sed -n 's/^LAUNCH_OUT_DIR=//p')          # where the ranks write STOPPED
-STOP_LEAD=$(echo "$PLAN" | sed -n 's/^LAUNCH_STOP_LEAD_S=//p')    # seconds: SLURM's warning before the time limit
+if [ "$COMMAND" = 0 ]; then
+  # (MAE_LAUNCH_NODE: on a node that launch.sh started, the job's own rank 0 may already hold out_dir's lease, which
+  # the dry run checks on a user's launch: infra/lease.py)
+  PLAN=$(NPROC=${NPROC:-2} MAE_LAUNCH_NODE=$NODE "$PYTHON" train.py "$@" --dry_run=True 2>&1) || { echo "$PLAN" >&2; exit 2; }
+  NODES=$(echo "$PLAN" | sed -n 's/^LAUNCH nodes=\([0-9]*\).*/\1/p')
+  GPN=$(echo "$PLAN" | sed -n 's/^LAUNCH .*gpus_per_node=\([0-9]*\).*/\1/p')
+  CONFIG_GPUS=$(echo "$PLAN" | sed -n 's/^LAUNCH .*config_gpus=\([0-9]*\).*/\1/p')
+  OUT_DIR=$(echo "$PLAN" | sed -n 's/^LAUNCH_OUT_DIR=//p')          # where the ranks write STOPPED
+  STOP_LEAD=$(echo "$PLAN" | sed -n 's/^LAUNCH_STOP_LEAD_S=//p')    # seconds: SLURM's warning before the time limit
+  STOP_FILE=$OUT_DIR/STOPPED
+  ASKS="the config asks for"
+  STOPS_AFTER="write a checkpoint after their current step"  # (what a stop does, in this script's lines)
+else  # a command: the node count from NODES (or the allocation's), every GPU of a node (or 2 CPU ranks)
+  NODES=${NODES:-${SLURM_JOB_NUM_NODES:-1}}
+  GPN=$([ "$NGPU" -gt 0 ] && echo "$NGPU" || echo 2)
+  CONFIG_GPUS=0
+  mkdir -p "$LOG_DIR"
+  STOP_FILE=$(cd "$LOG_DIR" && pwd)/STOPPED_${SLURM_JOB_ID:-$RDZV_ID}  # (rank 0 writes it: MAE_STOPPED)
+  ASKS="NODES=$NODES asks for"
+  STOPS_AFTER="finish their current tile (every tile written is kept)"
+fi
 NPROC=${NPROC:-$GPN}
 
 # Inside an srun step (a numeric SLURM_STEP_ID: not the batch script, not salloc's interactive step):
@@ -154,7 +191,7 @@ cpu_env() {
 }
 if [ "$NGPU" -gt 0 ] || { [ "${DRY_RUN:-0}" = "1" ] && [ "$NODES" -gt 1 ]; }; then gpu_env; else cpu_env; fi
 if [ "$MODE" = local ] && [ "$NODES" -gt 1 ] && [ "${DRY_RUN:-0}" != "1" ]; then
-  echo "error: the config asks for $NODES nodes: run inside a SLURM allocation, where sbatch is, or with HOSTFILE=" >&2
+  echo "error: $ASKS $NODES nodes: run inside a SLURM allocation, where sbatch is, or with HOSTFILE=" >&2
   exit 2
 fi
 
@@ -163,8 +200,8 @@ node_cmd() {  # $1 = head address, then train.py's arguments
   local head=$1
   shift
   echo "$PYTHON -m torch.distributed.run --nnodes=$NODES --nproc_per_node=$NPROC --rdzv_backend=c10d" \
-       "--rdzv_endpoint=$head:$PORT --rdzv_id=${SLURM_JOB_ID:-${RDZV_ID:-mae}} --max_restarts=0" \
-       "train.py $(printf '%q ' "$@")"
+       "--rdzv_endpoint=$head:$PORT --rdzv_id=${SLURM_JOB_ID:-$RDZV_ID} --max_restarts=0" \
+       "$PROGRAM $(printf '%q ' "$@")"
 }
 
 # ---- the ranks of one node, supervised: stop signals reach them, and the last line says how the run ended.
@@ -180,9 +217,10 @@ node_cmd() {  # $1 = head address, then train.py's arguments
 # checkpoint, a second at once; either way the last line says where the run stands, and this script dies of the
 # SIGINT (exit code 130 to the shell, and a shell loop around it stops too).
 run_ranks() {  # the torchrun command line
-  rm -f "$OUT_DIR/STOPPED"  # the ranks write it after a stop's checkpoint is complete
+  rm -f "$STOP_FILE"  # the ranks write it after a stop's checkpoint (a command's tiles) is complete
   MAE_ERROR_FILE=$(mktemp "${TMPDIR:-/tmp}/mae_errors.XXXXXX")  # each failing rank appends its first line
   export MAE_ERROR_FILE MAE_LAUNCHER=launch.sh  # (under launch.sh a rank that stopped cleanly exits 0, not 75)
+  if [ "$COMMAND" = 1 ]; then export MAE_STOPPED=$STOP_FILE; fi
   export PET_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT
   INTS=0
   ( trap '' TERM USR1 INT; exec "$@" ) &
@@ -199,8 +237,8 @@ run_ranks() {  # the torchrun command line
   trap '' INT  # (from here to the end: the last line is being said)
   # the first rank's line; one that only lost a peer (on another node) comes after any rank's own reason
   first=$(grep -v -m1 'lost a peer' "$MAE_ERROR_FILE" || sed -n 1p "$MAE_ERROR_FILE"); rm -f "$MAE_ERROR_FILE"
-  if [ -s "$OUT_DIR/STOPPED" ]; then
-    echo "launch.sh: $(cat "$OUT_DIR/STOPPED")" >&2
+  if [ -s "$STOP_FILE" ]; then
+    echo "launch.sh: $(cat "$STOP_FILE")" >&2
     if [ "$INTS" -gt 0 ]; then return 130; fi
     return 75
   fi
@@ -216,13 +254,13 @@ run_ranks() {  # the torchrun command line
   return "$rc"
 }
 forward_stop() {  # SIG torchrun-pid: to the ranks, torchrun's children
-  echo "launch.sh: SIG$1: the ranks write a checkpoint after their current step, then stop" >&2
+  echo "launch.sh: SIG$1: the ranks $STOPS_AFTER, then stop" >&2
   pkill "-$1" -P "$2" || true
 }
 forward_int() {  # torchrun-pid: a Ctrl-C to the ranks
   INTS=$((INTS + 1))
   if [ "$INTS" -eq 1 ]; then
-    echo "launch.sh: Ctrl-C: the ranks write a checkpoint after their current step, then stop (Ctrl-C again: at once, without one)" >&2
+    echo "launch.sh: Ctrl-C: the ranks $STOPS_AFTER, then stop (Ctrl-C again: at once, without one)" >&2
   else
     echo "launch.sh: Ctrl-C again: the ranks stop at once, without a checkpoint of their current steps" >&2
   fi
@@ -281,9 +319,13 @@ srun_cmd() {  # train.py's arguments
   # srun would otherwise take the enclosing step's or salloc's SLURM_NTASKS as its own
   echo "srun$extra --nodes=$NODES --ntasks=$NODES --ntasks-per-node=1 --kill-on-bad-exit=1" \
        "--output=$(printf '%q' "$LOG_DIR/node_%t.log")" \
-       "env HEAD= PYTHON=$(printf '%q' "$PYTHON") NPROC=$NPROC PORT=$PORT" \
+       "env HEAD= PYTHON=$(printf '%q' "$PYTHON") NPROC=$NPROC PORT=$PORT NODES=$NODES" \
        "bash $(printf '%q' "$ROOT/launch.sh") --node $(printf '%q ' "$@")"
 }
+
+# a command's result, its JSON line (rank 0's, on whichever node it ran), repeated here from the per-node logs
+node_logs() { for ((i = 0; i < NODES; i++)); do echo "$LOG_DIR/node_$i.log"; done; }
+command_result() { node_logs | xargs grep -h '^{' 2>/dev/null | tail -n 1 || true; }
 
 if [ "${DRY_RUN:-0}" = "1" ]; then
   echo "launch.sh dry run: $NODES node(s) x $NPROC rank(s) = world $((NODES * NPROC)); mode here: $MODE" \
@@ -302,10 +344,14 @@ if [ "${DRY_RUN:-0}" = "1" ]; then
     done
     echo "(HEAD = the first host of the allocation or hostfile, computed on each node at start)"
   else
-    echo "node 0 runs: $PYTHON -m torch.distributed.run --standalone --nproc_per_node=$NPROC train.py $*"
+    echo "node 0 runs: $PYTHON -m torch.distributed.run --standalone --nproc_per_node=$NPROC $PROGRAM${PROGRAM:+ }$*"
   fi
-  echo "validation (train.py --dry_run=True):"
-  echo "$PLAN" | grep -v '^LAUNCH' | sed 's/^/  /'
+  if [ "$COMMAND" = 1 ]; then
+    echo "(${2}: its inputs and --out are checked when it starts, before any work)"
+  else
+    echo "validation (train.py --dry_run=True):"
+    echo "$PLAN" | grep -v '^LAUNCH' | sed 's/^/  /'
+  fi
   exit 0
 fi
 
@@ -313,7 +359,9 @@ case "$MODE" in
   local)
     echo "launch.sh: local mode, $NPROC rank(s), $NGPU GPU(s)" >&2
     rc=0
-    run_ranks "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" train.py "$@" || rc=$?
+    # shellcheck disable=SC2086  # PROGRAM: train.py, or nothing before a command's -m NAME
+    run_ranks "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" $PROGRAM "$@" || rc=$?
+    if [ "$COMMAND" = 1 ]; then rm -f "$STOP_FILE"; fi  # (its line was said)
     end_with "$rc"
     ;;
   slurm)
@@ -338,14 +386,14 @@ exec env PYTHON=$(printf '%q' "$PYTHON") MAE_SUBMITTED=1 bash $(printf '%q' "$RO
 EOF
     fi
     if [ "${SLURM_JOB_NUM_NODES:-1}" -lt "$NODES" ]; then
-      echo "error: the config asks for $NODES nodes but this allocation has ${SLURM_JOB_NUM_NODES:-1}" >&2
+      echo "error: $ASKS $NODES nodes but this allocation has ${SLURM_JOB_NUM_NODES:-1}" >&2
       exit 2
     fi
     mkdir -p "$LOG_DIR"
     if [ "$IN_STEP" = 1 ]; then  # the interactive step's own task layout must not become the new step's
       unset SLURM_NTASKS SLURM_NPROCS SLURM_CPUS_PER_TASK SLURM_TRES_PER_TASK SLURM_NTASKS_PER_NODE
     fi
-    rm -f "$OUT_DIR/STOPPED"
+    rm -f "$STOP_FILE"
     if [ "${MAE_SUBMITTED:-0}" != 1 ]; then
       echo "launch.sh: in an allocation of your own: its time-limit warning is yours to ask for (sbatch or salloc" \
            "--signal=USR1@$STOP_LEAD), else the ranks get only SLURM's SIGTERM at the limit (KillWait to checkpoint)" >&2
@@ -355,14 +403,15 @@ EOF
     trap ':' TERM USR1
     rc=0
     eval "$(srun_cmd "$@")" || rc=$?
-    if [ -s "$OUT_DIR/STOPPED" ]; then
-      echo "launch.sh: $(cat "$OUT_DIR/STOPPED")" >&2
+    if [ -s "$STOP_FILE" ]; then
+      echo "launch.sh: $(cat "$STOP_FILE")" >&2
       # requeue after the time-limit warning only: a SIGTERM (scancel, preemption, the limit itself) is not a
       # request to go on (and SLURM requeues preempted jobs itself where PreemptMode=REQUEUE)
-      if [ "${REQUEUE:-0}" = 1 ] && [ "$IN_STEP" = 0 ] && grep -q '^stopped by SIGUSR1 after' "$OUT_DIR/STOPPED"; then
-        echo "launch.sh: REQUEUE=1: requeueing job $SLURM_JOB_ID; it resumes from that checkpoint when it starts again" >&2
+      if [ "${REQUEUE:-0}" = 1 ] && [ "$IN_STEP" = 0 ] && grep -q '^stopped by SIGUSR1 after' "$STOP_FILE"; then
+        echo "launch.sh: REQUEUE=1: requeueing job $SLURM_JOB_ID; it goes on from where it stopped when it starts again" >&2
         scontrol requeue "$SLURM_JOB_ID"
       fi
+      if [ "$COMMAND" = 1 ]; then rm -f "$STOP_FILE"; fi  # (its line was said)
       exit 75
     fi
     if [ "$rc" -ne 0 ]; then  # each node's log ends with its first error line (run_ranks): repeat the first
@@ -371,6 +420,8 @@ EOF
               sed -n 1p)
       first=${first:-$({ grep -h -m1 '^error:' "$LOG_DIR"/node_*.log 2>/dev/null || true; } | sed -n 1p)}
       echo "${first:-error: the step failed (srun exit $rc); per-node logs: $LOG_DIR/node_*.log}" >&2
+    elif [ "$COMMAND" = 1 ]; then
+      command_result
     fi
     exit "$rc"
     ;;
@@ -391,12 +442,12 @@ EOF
   hostfile)
     mapfile -t HOSTS < <(grep -v '^\s*#' "$HOSTFILE" | grep -v '^\s*$')
     if [ "${#HOSTS[@]}" -lt "$NODES" ]; then
-      echo "error: the config asks for $NODES nodes but $HOSTFILE lists ${#HOSTS[@]} hosts" >&2
+      echo "error: $ASKS $NODES nodes but $HOSTFILE lists ${#HOSTS[@]} hosts" >&2
       exit 2
     fi
     HEAD=${HOSTS[0]}
     mkdir -p "$LOG_DIR"
-    rm -f "$OUT_DIR/STOPPED"
+    rm -f "$STOP_FILE"
     ARGS=$(printf '%q ' "$@")
     pids=()
     for ((i = 0; i < NODES; i++)); do
@@ -405,7 +456,7 @@ EOF
       cmd="cd $(printf '%q' "$ROOT") && echo \"launch.sh node pid \$\$\" && exec env HEAD=$HEAD NODE_RANK=$i NPROC=$NPROC"
       # (PATH: the interpreter's folder first, as where launch.sh was started: the venv's tools, e.g. the ninja that
       # DeepSpeed's JIT build uses, not those a remote login shell finds first)
-      cmd+=" PORT=$PORT RDZV_ID=${RDZV_ID:-mae$$} PYTHON=$(printf '%q' "$PYTHON")"
+      cmd+=" PORT=$PORT RDZV_ID=$RDZV_ID NODES=$NODES PYTHON=$(printf '%q' "$PYTHON")"
       cmd+=" PATH=$(printf '%q' "$(dirname "$PYTHON")"):\$PATH bash $(printf '%q' "$ROOT/launch.sh")"
       cmd+=" --node $ARGS"
       # each node in its own process group (setsid), so that stopping it stops its ranks too
@@ -422,7 +473,7 @@ EOF
     # a remote one's pid over ssh (this script's ssh client is in a session of its own: a signal to it would
     # only end the connection)
     stop_nodes() {  # TERM | USR1 | INT
-      echo "launch.sh: SIG$1: passing it to the $NODES nodes (the ranks checkpoint after their current step)" >&2
+      echo "launch.sh: SIG$1: passing it to the $NODES nodes (the ranks $STOPS_AFTER)" >&2
       for ((i = 0; i < NODES; i++)); do
         if [ "${HOSTS[$i]}" = "127.0.0.1" ] || [ "${HOSTS[$i]}" = "localhost" ]; then
           kill -s "$1" -- "-${all[$i]}" 2>/dev/null || true
@@ -455,11 +506,17 @@ EOF
     done
     trap - TERM USR1
     trap '' INT
-    if [ "$rc" -eq 0 ] && [ -s "$OUT_DIR/STOPPED" ]; then
-      echo "launch.sh: $(cat "$OUT_DIR/STOPPED")" >&2
+    if [ "$rc" -eq 0 ] && [ ! -s "$STOP_FILE" ] && [ "$COMMAND" = 1 ]; then  # (rank 0 on a remote host wrote it
+      # there, not here: its node's own last line says the same)
+      node_logs | xargs sed -n 's/^launch.sh: \(stopped by .*\)/\1/p' 2>/dev/null | sed -n 1p > "$STOP_FILE"
+    fi
+    if [ "$rc" -eq 0 ] && [ -s "$STOP_FILE" ]; then
+      echo "launch.sh: $(cat "$STOP_FILE")" >&2
+      if [ "$COMMAND" = 1 ]; then rm -f "$STOP_FILE"; fi  # (its line was said)
       if [ "$INTS" -gt 0 ]; then end_with 130; fi
       exit 75
     fi
+    if [ "$COMMAND" = 1 ]; then rm -f "$STOP_FILE"; command_result; fi
     if [ "$rc" -eq 0 ] && [ "$INTS" -gt 0 ]; then  # stopped at once: node 0's log ends with where the run stands
       echo "$(grep -h -m1 '^launch.sh: interrupted' "$LOG_DIR/node_0.log" 2>/dev/null || echo 'launch.sh: interrupted (Ctrl-C): the nodes stopped at once')" >&2
       end_with 130

@@ -47,7 +47,7 @@ from infra import stop as stop_signals
 from infra.cli import run as run_cli
 from infra.ops import Operations, where_it_stands
 from infra.runlog import RunLog, check_log
-from infra.stop import INTERRUPTED, RESUMABLE, Interrupted, StopRequest
+from infra.stop import Interrupted, StopRequest, launched
 from model import build_model, configure_optimizers, mask_noise
 
 # -----------------------------------------------------------------------------
@@ -371,11 +371,7 @@ def cli(argv):
     """`python train.py ...`: main() through infra/cli.py (bad input or a diverged run as one clear line and an exit
     code), with stop signals turned into a checkpoint and exit code RESUMABLE (75), or INTERRUPTED (130: Ctrl-C)."""
     stop = StopRequest() if threading.current_thread() is threading.main_thread() else None
-    rc = run_cli(lambda a: main(a, stop), argv)
-    if rc in (RESUMABLE, INTERRUPTED) and os.environ.get("MAE_LAUNCHER") == "launch.sh":
-        rc = 0  # launch.sh finds STOPPED (or its Ctrl-C) and ends with the code itself; a non-zero rank would make
-        # torchrun report a failure
-    return rc
+    return launched(run_cli(lambda a: main(a, stop), argv))  # (under launch.sh a stop's code is launch.sh's to say)
 
 
 if __name__ == "__main__":

@@ -87,9 +87,7 @@ class Operations:
     def _agreed(self, stopping):
         """Once the ranks agree to stop: which signals they got (launch.sh requeues only after SIGUSR1)."""
         if stopping and self.stopped is None:
-            names = [None] * self.job.world
-            torch.distributed.all_gather_object(names, self.stop.signal)
-            self.stopped = " and ".join(sorted({n for n in names if n}))
+            self.stopped = self.stop.signals(self.job.world)
         return stopping
 
     def close(self):
@@ -109,7 +107,7 @@ class Operations:
                f"run the same command again to continue (exit code {code}: "
                f"{'interrupted by Ctrl-C' if code == INTERRUPTED else 'stopped'}, resumable)")
         if job.rank == 0:
-            write_stopped(job.cfg["out_dir"], msg)
+            write_stopped(os.path.join(job.cfg["out_dir"], "STOPPED"), msg)
         job.log(msg)
         torch.distributed.barrier()  # no rank (no node's launch.sh) ends before STOPPED exists
         self.stop.finished()

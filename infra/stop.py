@@ -4,7 +4,8 @@ The stop protocol: a stop signal becomes a checkpoint that every rank agrees on,
     StopRequest()            installs SIGTERM / SIGUSR1 / SIGINT handlers; infra/ops.py arms it once training starts
     RESUMABLE                the exit code of a stopped run (75): run the same command again to continue
     INTERRUPTED              a Ctrl-C's (130, 128 + SIGINT): with a checkpoint or without, the shell's code for it
-    write_stopped(out_dir)   out_dir/STOPPED, the one line launch.sh repeats last
+    write_stopped(path, msg) out_dir/STOPPED (a command's: launch.sh's MAE_STOPPED), the one line launch.sh repeats last
+    launched(rc)             a rank's exit code: a stop's 75 or 130 is 0 under launch.sh, which ends with it itself
 
 A stop signal (SIGTERM: SLURM's time limit and preemption, a scheduler's kill; SIGUSR1: SLURM's warning before
 the time limit, which launch.sh asks for) is a request: the ranks agree at the next step boundary, write a
@@ -49,8 +50,9 @@ class StopRequest:
     later, and no step waits. After a checkpoint write (rare, and a sync anyway) the
     ranks agree once more (`agree_now`), so a signal that arrived during the write stops at that checkpoint."""
 
-    def __init__(self):
+    def __init__(self, at="at the next step boundary with a checkpoint"):
         self.signal, self.armed, self._pending, self.interrupts = None, False, None, 0
+        self.at = at  # what a stop does, in the line a signal prints
         for s in STOP_SIGNALS:
             signal.signal(s, self._on_signal)
 
@@ -68,8 +70,7 @@ class StopRequest:
             self.signal = signal.Signals(signum).name
             rank = os.environ.get("RANK", "0")  # (os.write: a print() inside a handler may re-enter its lock)
             again = " (Ctrl-C again: at once, without one)" if signum == signal.SIGINT else ""
-            os.write(2, f"rank {rank}: {self.signal} received: stopping at the next step boundary with a "
-                        f"checkpoint{again}\n".encode())
+            os.write(2, f"rank {rank}: {self.signal} received: stopping {self.at}{again}\n".encode())
 
     def finished(self):
         """The stop is complete (checkpoint and STOPPED written): further stop signals (a Ctrl-C too) are ignored, to
@@ -99,17 +100,32 @@ class StopRequest:
         return previous[0].item() > 0
 
     def agree_now(self, device):
-        """One small all-reduce of the flags, read at once: after a checkpoint write."""
+        """One small all-reduce of the flags, read at once: after a checkpoint write (predict: after each tile)."""
         t = torch.tensor([self.local()], device=device)
         torch.distributed.all_reduce(t)
         return t.item() > 0
 
+    def signals(self, world):
+        """Once the ranks agree to stop, the signals that reached any of them ("SIGTERM", "SIGINT and SIGTERM"), the
+        same on every rank (launch.sh requeues only after SIGUSR1; a Ctrl-C's stop ends with INTERRUPTED)."""
+        names = [None] * world
+        torch.distributed.all_gather_object(names, self.signal)
+        return " and ".join(sorted({n for n in names if n}))
 
-def write_stopped(out_dir, message):
-    """out_dir/STOPPED (rank 0, after the checkpoint is complete): the one line launch.sh repeats last."""
-    tmp = os.path.join(out_dir, "STOPPED.tmp")
+
+def write_stopped(path, message):
+    """`path`, out_dir/STOPPED for a run (rank 0, after the checkpoint is complete; a command under launch.sh: its
+    MAE_STOPPED): the one line launch.sh repeats last."""
+    tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write(message + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(out_dir, "STOPPED"))
+    os.replace(tmp, path)
+
+
+def launched(rc):
+    """A rank's exit code. A stopped (RESUMABLE) or interrupted (INTERRUPTED) rank under launch.sh exits 0: launch.sh
+    finds STOPPED (or its Ctrl-C) and ends with the code itself, and a non-zero rank would make torchrun report a
+    failure."""
+    return 0 if rc in (RESUMABLE, INTERRUPTED) and os.environ.get("MAE_LAUNCHER") == "launch.sh" else rc

@@ -54,6 +54,7 @@ import configurator
 from infra import cli, distributed, modelfile, outputs, reader, sliding
 from infra.features import BATCH_TOKENS, token_coords, window_model
 from infra.progress import Progress
+from infra.stop import INTERRUPTED, RESUMABLE, StopRequest, launched, write_stopped
 from model import token_grid, unpatchify
 
 TILE_VOXELS = 2 ** 27  # the default tile's bound (voxels): its sums are 4 bytes per voxel and class, on the device
@@ -91,6 +92,7 @@ def parse(argv):
     ap.add_argument("--overwrite", action="store_true",
                     help="replace a prediction this command made with another model, survey or settings")
     ap.add_argument("--stop_after", type=int, default=0, help=argparse.SUPPRESS)  # tests: stop after N tiles
+    ap.add_argument("--slow_tile", type=float, default=0, help=argparse.SUPPRESS)  # tests: seconds more per tile
     return ap.parse_args(argv)
 
 
@@ -105,7 +107,9 @@ class Names:
         self.variable = v
 
 
-def main(argv):
+def main(argv, stop=None):
+    """The command; `stop`: a StopRequest (a stop signal or a Ctrl-C ends the run after the ranks' current tiles,
+    which are kept: RESUMABLE, or INTERRUPTED after a Ctrl-C; a second Ctrl-C stops at once)."""
     a = parse(argv)
     rank, world, device = distributed.init()  # torchrun's ranks, or a world of 1
     cp = a.cp
@@ -179,6 +183,11 @@ def main(argv):
     todo = [k for k in left if k % dp == dp_rank]
     if a.stop_after:
         todo = todo[:a.stop_after]
+    # every rank goes through as many rounds as the rank with the most tiles, so that they can agree on a stop after
+    # each round (a rank with fewer tiles has nothing to compute in the last)
+    rounds = torch.tensor([len(todo)], device=device)
+    dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
+    rounds, stopped, written = int(rounds.item()), "", 0
     slab = crop[0] // cp  # this rank's inline voxels of each window
     g_loc = (slab // patch[0],) + token_grid(crop, patch)[1:]
     batch = a.batch or max(1, min(BATCH_TOKENS // math.prod(g_loc), BATCH_VOXELS // (slab * crop[1] * crop[2])))
@@ -190,7 +199,16 @@ def main(argv):
     t0, voxels, computed = time.time(), 0, 0
     with Progress(total=len(all_tiles), initial=len(all_tiles) - len(left), desc="predicting", unit="tile") as bar:
         counted = 0
-        for n, k in enumerate(todo):
+        if stop:
+            stop.armed = True  # from here a stop signal ends the run after the current tile (infra/stop.py)
+        for n in range(rounds):
+            if n > 0 and stop and stop.agree_now(device):  # (a stop signal reached a rank during the last round)
+                stopped = stop.signals(world)
+                break
+            if n >= len(todo):
+                continue
+            k = todo[n]
+            time.sleep(a.slow_tile)
             box = all_tiles[k]
             wins = [(i, j, m) for i in sliding.touching(starts[0], crop[0], *box[0])
                     for j in sliding.touching(starts[1], crop[1], *box[1])
@@ -213,13 +231,16 @@ def main(argv):
                 write_tile(acc, box, norm, vol, out_arr, zero_arr, tile, a.dtype, classes)
                 done.mark(index[k])
                 voxels += math.prod(hi - lo for lo, hi in box)
+                written += 1
             now = round((n + 1) / len(todo) * len(left)) if todo else 0
             bar.update(now - counted)
             counted = now
     if a.stop_after:
         print(f"rank {rank}: stopped after {len(todo)} tiles (--stop_after)", flush=True)
         dist.destroy_process_group()
-        return 75
+        return RESUMABLE
+    if stopped:
+        return stopped_at(stop, stopped, written, (root.store, names.done), len(all_tiles), work, device)
     counts = torch.tensor([voxels, computed if cp_rank == 0 else 0], dtype=torch.float64, device=device)
     dist.all_reduce(counts)  # (NCCL: CUDA tensors only)
     dist.barrier()
@@ -238,6 +259,27 @@ def main(argv):
                           "voxels_per_s": round(counts[0].item() / max(dt, 1e-9), 1), "out": a.out, "picture": pic}))
     dist.destroy_process_group()
     return 0
+
+
+def stopped_at(stop, signals, written, marks, n_tiles, work, device):
+    """The ranks agreed to stop after a round of tiles (`signals` reached them; this rank wrote `written`): how many
+    tiles are now written in all (the markers, (store, prefix), listed again), one line saying so (rank 0: stderr, and under launch.sh its MAE_STOPPED file, the line it repeats last),
+    and the exit code, RESUMABLE or INTERRUPTED (a Ctrl-C's)."""
+    done = torch.tensor([written], device=device)
+    dist.all_reduce(done)  # (every tile is written before its marker, and markers before this)
+    code = INTERRUPTED if "SIGINT" in signals else RESUMABLE
+    n = len(outputs.Markers(*marks).done)  # this run's tiles and earlier runs'
+    msg = (f"stopped by {signals} after {int(done.item())} tiles of this run: {n} of {n_tiles} tiles are written in "
+           f"{work}; run the same command again to go on from them (exit code {code}: "
+           f"{'interrupted by Ctrl-C' if code == INTERRUPTED else 'stopped'}, resumable)")
+    if dist.get_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+        if os.environ.get("MAE_STOPPED"):
+            write_stopped(os.environ["MAE_STOPPED"], msg)
+    dist.barrier()  # no rank (no node's launch.sh) ends before the line is written
+    stop.finished()
+    dist.destroy_process_group()
+    return code
 
 
 def window_probabilities(model, vol, origins, size, g_loc, device, bf16=False):
@@ -474,5 +516,8 @@ def picture(vol, root, names, classes, title):
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run(main, sys.argv[1:], interrupted="the tiles written so far are kept (OUT.partial locally): the "
-                                                     "same command goes on from them"))
+    stop_request = StopRequest("after the current tile, which is kept")  # (unarmed until the tiles start: a
+    # stop signal before then ends the command at once, with nothing written)
+    sys.exit(launched(cli.run(lambda argv: main(argv, stop_request), sys.argv[1:],
+                              interrupted="the tiles written so far are kept (OUT.partial locally): the same command "
+                                          "goes on from them")))
