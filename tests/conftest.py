@@ -1,4 +1,5 @@
-"""Shared fixtures: a small synthetic MDIO store, and a helper that runs train.py as a real job."""
+"""Shared fixtures: a small synthetic MDIO store, a fine-tuned segmenter and its survey, and a helper that runs
+train.py as a real job."""
 import json
 import os
 import signal
@@ -133,3 +134,41 @@ def quickstart(tmp_path_factory):
     root = tmp_path_factory.mktemp("quickstart")
     store, out = str(root / "qs.mdio"), str(root / "out")
     return store, out, launch_quickstart(f"--data_paths=['{store}']", f"--out_dir={out}")
+
+
+PREDICT_SHAPE = (48, 32, 64)  # 16^3 chunks; the model's crop 16 x 16 x 32 in 8^3 patches
+PREDICT_DEAD = [(3, 7), (4, 7), (40, 30)]
+
+
+@pytest.fixture(scope="session")
+def predict_survey(tmp_path_factory):
+    """A FaultSeg3D-style survey with its fault labels and three dead traces, MDIO v1 in 16^3 chunks; a segmenter
+    fine-tuned on it for 2 steps (train.py task="segment", UNETR head; its out_dir), a model file of it with its output
+    layer scaled so that its probabilities span 0..1 (a model 2 steps old predicts ~0.45 everywhere, which would hide
+    seams), the folder, and the plain export: (store, out_dir, sharp, root, exported). test_predict and test_cluster's
+    predict under SLURM use it."""
+    import numpy as np
+    import torch
+    from infra import modelfile, reader
+    from infra.features import prepare
+    root = tmp_path_factory.mktemp("predict")
+    vol, fault, _ = synthetic.faultseg_volume(PREDICT_SHAPE, seed=5)
+    for i, x in PREDICT_DEAD:
+        vol[i, x] = np.nan
+    store = synthetic.write_mdio(str(root / "survey.mdio"), vol, chunks=(16, 16, 16), fault=fault.astype(bool))
+    run = root / "seg"
+    r = run_train(small_args(store, run, task="segment", max_steps=2, eval_interval=100))
+    assert r.returncode == 0, r.stderr[-3000:]
+    path = modelfile.export(str(run))
+    model, _ = modelfile.load(path)
+    prepare(model, PREDICT_SHAPE)
+    with torch.no_grad():
+        x = torch.from_numpy(reader.Volume(store).read((0, 0, 0), PREDICT_SHAPE))[None, None]
+        logit = model.seg_logits(x)[..., 0]
+    obj = torch.load(path, weights_only=True)
+    k = 2.0 / logit.std().item()  # logits of std 2 about 0: probabilities across 0..1
+    obj["model"]["head.out.weight"] *= k
+    obj["model"]["head.out.bias"] = k * (obj["model"]["head.out.bias"] - logit.mean().item())
+    sharp = str(root / "sharp.pt")
+    torch.save(obj, sharp)
+    return store, str(run), sharp, root, path

@@ -4,6 +4,7 @@ an sshd on 127.0.0.2. Every way a user starts a job (sbatch from outside, inside
 
 Installed on first use when missing (root + apt-get); elsewhere these tests skip and say why, under CI they fail.
 """
+import json
 import os
 import re
 import shlex
@@ -12,7 +13,9 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+import zarr
 
 from infra import checkpoint
 import cluster_util
@@ -295,6 +298,48 @@ def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(slurm, smal
     state = slurm.wait_job(job, timeout=120)
     assert state["JobState"] == "CANCELLED" and int(state.get("Restarts", "0")) == 1, state
     assert (out / "STOPPED").read_text().startswith("stopped by SIGTERM after")  # scancel: a checkpoint too
+
+
+def test_predict_under_slurm_stops_on_the_warning_requeues_and_finishes(slurm, predict_survey, tmp_path):
+    """bash launch.sh -m scripts.predict with NODES=2 from outside an allocation: one step of 2 nodes x 2 ranks (dp 2 x
+    cp 2). The time-limit warning (SIGUSR1 to the steps: scancel --signal, as SLURM sends it) stops the ranks after
+    their current tiles, kept; with REQUEUE=1 the job requeues itself and the requeued job finishes the prediction,
+    equal to one process's; the batch output ends with the JSON line."""
+    store, _, sharp, _, _ = predict_survey
+    base = [sharp, store, "--dtype=float32", "--tile=16,16,32"]  # 12 tiles
+    ref, out, logs = tmp_path / "ref.zarr", tmp_path / "faults.zarr", tmp_path / "logs"
+    r = subprocess.run([sys.executable, "-m", "scripts.predict", *base, f"--out={ref}"], cwd=ROOT, env=job_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    env = slurm.env(**_env(NODES="2", NPROC="2", LOG_DIR=str(logs), PORT="29659", REQUEUE="1",
+                           SBATCH_OPEN_MODE="append"))
+    r = subprocess.run(["bash", "launch.sh", "-m", "scripts.predict", *base, f"--out={out}", "--cp=2", "--slow_tile=1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = re.search(r"Submitted batch job (\d+)", r.stdout).group(1)
+    marks = out.parent / f"{out.name}.partial" / "predict_done"
+    deadline = time.time() + 240
+    try:
+        while not (marks.is_dir() and len(os.listdir(marks)) >= 2):
+            assert time.time() < deadline, f"no tiles written; job {slurm.job(job)}"
+            time.sleep(0.25)
+        subprocess.run(["scancel", "--signal=USR1", job], env=slurm.env(), check=True)
+        while slurm.job(job).get("JobState") != "PENDING":
+            assert time.time() < deadline, f"not requeued; job {slurm.job(job)}"
+            time.sleep(0.25)
+        n = len(os.listdir(marks))
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env(), check=True)
+        state = slurm.wait_job(job, timeout=240)
+    finally:
+        subprocess.run(["scancel", job], env=slurm.env())
+    batch_out = (logs / f"seismic-mae_{job}.out").read_text()  # both runs (SBATCH_OPEN_MODE=append)
+    assert state["JobState"] == "COMPLETED" and int(state.get("Restarts", "0")) == 1, (state, batch_out[-3000:])
+    assert "launch.sh: stopped by SIGUSR1 after " in batch_out and f"{n} of 12 tiles are written" in batch_out
+    assert f"REQUEUE=1: requeueing job {job}" in batch_out, batch_out[-3000:]
+    info = json.loads(batch_out.strip().splitlines()[-1])
+    assert info["voxels"] == 48 * 32 * 64 - n * 16 * 16 * 32  # the tiles written before the stop were not redone
+    a, b = (np.asarray(zarr.open_group(str(p), mode="r")["probability"][:]) for p in (ref, out))
+    assert np.abs(a - b).max() <= 1e-5
 
 
 def test_hostfile_stop_signal_reaches_the_node_behind_ssh(sshd, small_store, tmp_path):

@@ -5,8 +5,7 @@ restarted and a model given as its out_dir all write the same prediction; dead t
 variable added to an MDIO store leaves the store's own variables as they were, and multidimio opens it; bad model,
 survey and output settings are one error line each. And infra/sliding.py's arithmetic against brute force.
 
-The model: a fine-tuning run of 2 steps (train.py task="segment", UNETR head), exported, with its output layer scaled
-so that its probabilities span 0..1 (a model 2 steps old predicts ~0.45 everywhere, which would hide seams)."""
+The model and survey: conftest's predict_survey."""
 import hashlib
 import itertools
 import json
@@ -19,11 +18,8 @@ import pytest
 import torch
 import zarr
 
-from conftest import ROOT, job_env, run_train, small_args
-from infra import sliding, synthetic
-
-SHAPE = (48, 32, 64)  # 16^3 chunks; the model's crop 16 x 16 x 32 in 8^3 patches
-DEAD = [(3, 7), (4, 7), (40, 30)]
+from conftest import PREDICT_DEAD as DEAD, PREDICT_SHAPE as SHAPE, ROOT, job_env, run_train, small_args
+from infra import sliding
 
 
 @pytest.mark.parametrize("S,c,overlap,blend", [(48, 16, 0.5, "gaussian"), (50, 16, 0.25, "cosine"),
@@ -83,40 +79,12 @@ def prob(path, name="probability"):
     return np.asarray(zarr.open_group(path, mode="r")[name][:], dtype=np.float32)
 
 
-@pytest.fixture(scope="module")
-def survey(tmp_path_factory):
-    """A FaultSeg3D-style survey with its fault labels and three dead traces, MDIO v1 in 16^3 chunks; a segmenter
-    fine-tuned on it for 2 steps (its out_dir) and a sharpened model file of it."""
-    root = tmp_path_factory.mktemp("predict")
-    vol, fault, _ = synthetic.faultseg_volume(SHAPE, seed=5)
-    for i, x in DEAD:
-        vol[i, x] = np.nan
-    store = synthetic.write_mdio(str(root / "survey.mdio"), vol, chunks=(16, 16, 16), fault=fault.astype(bool))
-    run = root / "seg"
-    r = run_train(small_args(store, run, task="segment", max_steps=2, eval_interval=100))
-    assert r.returncode == 0, r.stderr[-3000:]
-    from infra import modelfile, reader
-    from infra.features import prepare
-    path = modelfile.export(str(run))
-    model, _ = modelfile.load(path)
-    prepare(model, SHAPE)
-    with torch.no_grad():
-        logit = model.seg_logits(torch.from_numpy(reader.Volume(store).read((0, 0, 0), SHAPE))[None, None])[..., 0]
-    obj = torch.load(path, weights_only=True)
-    k = 2.0 / logit.std().item()  # logits of std 2 about 0: probabilities across 0..1
-    obj["model"]["head.out.weight"] *= k
-    obj["model"]["head.out.bias"] = k * (obj["model"]["head.out.bias"] - logit.mean().item())
-    sharp = str(root / "sharp.pt")
-    torch.save(obj, sharp)
-    return store, str(run), sharp, root, path
-
-
 slow = pytest.mark.slow  # (tests/README.md: the editing loop's subset leaves the command's runs out)
 
 
 @slow
-def test_one_window_is_the_model_itself_and_blended_windows_leave_no_seam(survey):
-    store, _, sharp, root, _ = survey
+def test_one_window_is_the_model_itself_and_blended_windows_leave_no_seam(predict_survey):
+    store, _, sharp, root, _ = predict_survey
     base = [sharp, store, "--dtype=float32"]
     one = ok(run_predict(base + [f"--out={root / 'one.zarr'}", f"--crop={SHAPE}"]))
     tiled = ok(run_predict(base + [f"--out={root / 'one_tiled.zarr'}", f"--crop={SHAPE}", "--tile=16,16,32"]))
@@ -170,8 +138,8 @@ def test_one_window_is_the_model_itself_and_blended_windows_leave_no_seam(survey
 
 
 @slow
-def test_every_layout_and_a_restart_write_the_same_prediction(survey):
-    store, run, sharp, root, exported = survey
+def test_every_layout_and_a_restart_write_the_same_prediction(predict_survey):
+    store, run, sharp, root, exported = predict_survey
     base = [sharp, store, "--dtype=float32", "--tile=16,16,32"]  # 12 tiles, each window computed for every tile
     ref_info = ok(run_predict(base + [f"--out={root / 'ref.zarr'}", "--batch=3"]))
     ref = prob(root / "ref.zarr")
@@ -204,8 +172,8 @@ def test_every_layout_and_a_restart_write_the_same_prediction(survey):
 
 
 @slow
-def test_a_variable_joins_an_mdio_store_and_leaves_its_own_as_they_were(survey, tmp_path):
-    _, _, sharp, _, _ = survey
+def test_a_variable_joins_an_mdio_store_and_leaves_its_own_as_they_were(predict_survey, tmp_path):
+    _, _, sharp, _, _ = predict_survey
     # a store the official multidimio wrote from real SEG-Y (the F3 crop: 23 x 18 x 75, one chunk)
     mine = str(tmp_path / "f3.mdio")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "mdio_ingest.py"),
@@ -237,8 +205,8 @@ def test_a_variable_joins_an_mdio_store_and_leaves_its_own_as_they_were(survey, 
 
 
 @slow
-def test_bad_model_survey_and_output_are_one_error_line_each(survey, tmp_path):
-    store, run, sharp, root, exported = survey
+def test_bad_model_survey_and_output_are_one_error_line_each(predict_survey, tmp_path):
+    store, run, sharp, root, exported = predict_survey
     mae_run = tmp_path / "mae"
     assert run_train(small_args(store, mae_run, max_steps=1, eval_interval=100)).returncode == 0
     junk = tmp_path / "junk.pt"
@@ -262,10 +230,10 @@ def test_bad_model_survey_and_output_are_one_error_line_each(survey, tmp_path):
 
 
 @slow
-def test_a_survey_on_s3_predicted_into_s3_and_resumed_there(survey, s3, small_store, tmp_path):
+def test_a_survey_on_s3_predicted_into_s3_and_resumed_there(predict_survey, s3, small_store, tmp_path):
     """s3:// in and out (a real S3 endpoint on loopback), 2 dp ranks, stopped after 2 tiles each and restarted (the
     markers are S3 objects, listed once; the record says complete: false until the end): the local prediction."""
-    _, _, sharp, _, _ = survey
+    _, _, sharp, _, _ = predict_survey
     base = [sharp, "--dtype=float32", "--tile=16,16,32"]
     ok(run_predict([base[0], small_store, f"--out={tmp_path / 'local.zarr'}", *base[1:]]))
     remote, so = "s3://bkt/faults.zarr", {"client_kwargs": {"endpoint_url": s3.endpoint}}
@@ -285,10 +253,10 @@ def test_a_survey_on_s3_predicted_into_s3_and_resumed_there(survey, s3, small_st
 
 
 @slow
-def test_traces_of_zeros_in_a_plain_array_are_dead_and_no_fault(survey, tmp_path):
+def test_traces_of_zeros_in_a_plain_array_are_dead_and_no_fault(predict_survey, tmp_path):
     """A plain Zarr array has no trace mask: a trace whose amplitudes are all zero is dead, predicted as no fault
     and marked."""
-    store, _, sharp, _, _ = survey
+    store, _, sharp, _, _ = predict_survey
     from infra import reader
     vol = reader.Volume(store).read((0, 0, 0), SHAPE, normalize=False)
     vol = np.nan_to_num(vol)  # the dead traces' NaN -> 0
@@ -300,3 +268,79 @@ def test_traces_of_zeros_in_a_plain_array_are_dead_and_no_fault(survey, tmp_path
     p = prob(tmp_path / "p.zarr")
     assert sorted(map(tuple, np.argwhere(dead).tolist())) == sorted(DEAD + [(10, 20)])
     assert (p[dead] == 0).all() and (p[~dead] > 0).all()
+
+
+# ----------------------------------------------------------------------------- under launch.sh
+
+def launch_predict(args, **env):
+    """bash launch.sh -m scripts.predict ARGS, as a user starts it (the venv first on PATH), in the background."""
+    e = job_env(PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **env)
+    e.pop("OMP_NUM_THREADS")  # (launch.sh splits the cores between the ranks itself)
+    return subprocess.Popen(["bash", "launch.sh", "-m", "scripts.predict", *args], cwd=ROOT, env=e, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def marked(out):
+    d = f"{out}.partial/predict_done"
+    return len(os.listdir(d)) if os.path.isdir(d) else 0
+
+
+@slow
+def test_under_launch_sh_a_stop_keeps_the_tiles_and_the_same_command_finishes_them(predict_survey, tmp_path):
+    """launch.sh -m scripts.predict, 2 local ranks: a SIGTERM to launch.sh stops the ranks after their current tiles
+    (kept, marked), the last line says so and the exit code is 75; the same command finishes the prediction, equal to
+    one process's. Two nodes from a hostfile (each a host of this machine, 1 rank) write it too."""
+    import time
+    store, _, sharp, _, _ = predict_survey
+    base = [sharp, store, "--dtype=float32", "--tile=16,16,32"]  # 12 tiles
+    ref = ok(run_predict(base + [f"--out={tmp_path / 'ref.zarr'}"]))
+    out = tmp_path / "launched.zarr"
+    logs = tmp_path / "logs"
+    env = dict(NPROC="2", LOG_DIR=str(logs))
+    p = launch_predict(base + [f"--out={out}", "--slow_tile=1"], **env)  # (a tile takes a second more: a stop lands
+    try:                                                                 # in the middle of the run)
+        deadline = time.time() + 120
+        while marked(out) < 2:
+            assert p.poll() is None and time.time() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.05)
+        p.send_signal(15)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    last = err.strip().splitlines()[-1]
+    n = marked(out)
+    assert p.returncode == 75, err[-3000:]
+    assert 2 <= n < 12 and last.startswith("launch.sh: stopped by SIGTERM after ") and \
+        f"{n} of 12 tiles are written in {out}.partial; run the same command again" in last, last
+    assert not list(logs.glob("STOPPED_*"))  # (said, and gone)
+    p = launch_predict(base + [f"--out={out}"], **env)
+    o, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    again = json.loads(o.strip().splitlines()[-1])
+    assert again["voxels"] == ref["voxels"] - n * 16 * 16 * 32  # the tiles written before were not redone
+    assert np.abs(prob(out) - prob(tmp_path / "ref.zarr")).max() <= 1e-5
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1\n127.0.0.1\n")
+    p = launch_predict(base + [f"--out={tmp_path / 'two_nodes.zarr'}"], HOSTFILE=str(hosts), NODES="2", NPROC="1",
+                       LOG_DIR=str(logs), PORT="29617")
+    o, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:] + "".join(f.read_text()[-2000:] for f in logs.glob("node_*.log"))
+    assert json.loads(o.strip().splitlines()[-1])["voxels"] == ref["voxels"]  # (its JSON line, repeated from the log)
+    assert np.abs(prob(tmp_path / "two_nodes.zarr") - prob(tmp_path / "ref.zarr")).max() <= 1e-5
+
+
+def test_launch_sh_dry_run_of_a_command_and_its_bad_knobs(tmp_path):
+    """DRY_RUN=1 prints what every node runs for a command (NODES of them); an unknown module and a bad NODES are
+    one error line each."""
+    def launch(args, **env):
+        return subprocess.run(["bash", "launch.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                              env=job_env(LOG_DIR=str(tmp_path / "logs"), **env))
+    r = launch(["-m", "scripts.predict", "M", "S", "--out=O"], DRY_RUN="1", NODES="3", NPROC="4")
+    assert r.returncode == 0, r.stderr
+    assert "3 node(s) x 4 rank(s) = world 12" in r.stdout and "--signal=USR1@300" in r.stdout
+    assert r.stdout.count("--nnodes=3 --nproc_per_node=4") == 3 and "-m scripts.predict M S --out=O" in r.stdout
+    for args, env, says in ((["-m", "scripts.embed", "M"], {}, "not '-m scripts.embed'"),
+                            (["-m", "scripts.predict", "M", "S"], {"NODES": "0"}, "NODES='0' must be a whole number"),
+                            (["-m", "scripts.predict", "M", "S"], {"STOP_LEAD": "x"}, "STOP_LEAD='x'")):
+        r = launch(args, **env)
+        assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1], r.stderr
