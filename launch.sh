@@ -121,7 +121,8 @@ if [ "$NGPU" -eq 0 ]; then export DS_ACCELERATOR=cpu; fi
 if [ "$COMMAND" = 0 ]; then
   # (MAE_LAUNCH_NODE: on a node that launch.sh started, the job's own rank 0 may already hold out_dir's lease, which
   # the dry run checks on a user's launch: infra/lease.py)
-  PLAN=$(NPROC=${NPROC:-2} MAE_LAUNCH_NODE=$NODE "$PYTHON" train.py "$@" --dry_run=True 2>&1) || { echo "$PLAN" >&2; exit 2; }
+  PLAN=$(NPROC=${NPROC:-2} MAE_LAUNCH_NODE=$NODE "$PYTHON" train.py "$@" --dry_run=True 2>&1) ||
+    { echo "$PLAN" >&2; exit 2; }
   NODES=$(echo "$PLAN" | sed -n 's/^LAUNCH nodes=\([0-9]*\).*/\1/p')
   GPN=$(echo "$PLAN" | sed -n 's/^LAUNCH .*gpus_per_node=\([0-9]*\).*/\1/p')
   CONFIG_GPUS=$(echo "$PLAN" | sed -n 's/^LAUNCH .*config_gpus=\([0-9]*\).*/\1/p')
@@ -408,7 +409,8 @@ EOF
       # requeue after the time-limit warning only: a SIGTERM (scancel, preemption, the limit itself) is not a
       # request to go on (and SLURM requeues preempted jobs itself where PreemptMode=REQUEUE)
       if [ "${REQUEUE:-0}" = 1 ] && [ "$IN_STEP" = 0 ] && grep -q '^stopped by SIGUSR1 after' "$STOP_FILE"; then
-        echo "launch.sh: REQUEUE=1: requeueing job $SLURM_JOB_ID; it goes on from where it stopped when it starts again" >&2
+        echo "launch.sh: REQUEUE=1: requeueing job $SLURM_JOB_ID; it goes on from where it stopped when it starts" \
+             "again" >&2
         scontrol requeue "$SLURM_JOB_ID"
       fi
       if [ "$COMMAND" = 1 ]; then rm -f "$STOP_FILE"; fi  # (its line was said)

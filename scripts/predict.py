@@ -5,6 +5,7 @@ beside the survey (or as a new variable of an MDIO store of yours), chunked as t
     python -m scripts.predict MODEL SURVEY --out=FAULTS.zarr                          one process
     python -m scripts.predict MODEL SURVEY --out=SURVEY.mdio --variable=fault_probability   into an MDIO store
     torchrun --nproc_per_node=8 -m scripts.predict MODEL s3://b/survey.mdio --out=s3://b/faults.zarr --cp=2
+    NODES=16 bash launch.sh -m scripts.predict MODEL s3://b/survey.mdio --out=s3://b/faults.zarr --cp=2  on SLURM
 
 MODEL: a fine-tuned model file (scripts/export.py) or a fine-tuning run's out_dir (task="segment"). SURVEY: any store
 infra/reader.py opens (MDIO v1/v0 or a 3D Zarr array, local or s3://), normalised as training saw it.
@@ -32,8 +33,10 @@ another of the same grid), on the amplitude's dimensions; nothing else of the st
 Ranks: world = dp x cp. Tile t goes to dp group t mod dp; with cp > 1 each window is split over the group's ranks
 along inline and goes through the encoder with ring attention and the head with its halo exchange, as in training;
 the group's sums are added (all-reduce) and its first rank writes the tile. Resume: a tile written is marked
-(predict_done/I.J.K); the same command again skips the marked tiles. What it writes over (infra/outputs.py, all
-checked before any work): a local --out is built at OUT.partial and renamed when complete; on s3:// and in an MDIO
+(predict_done/I.J.K); the same command again skips the marked tiles. A stop signal (SIGTERM, SIGUSR1: SLURM's
+time-limit warning) or a Ctrl-C stops the ranks after their current round of tiles, agreed as training agrees on a
+step (infra/stop.py): the last line says how many tiles are written, and the exit code is 75 (130 after a Ctrl-C).
+What it writes over (infra/outputs.py, all checked before any work): a local --out is built at OUT.partial and renamed when complete; on s3:// and in an MDIO
 store it is written in place, the record (attribute `predict`: survey, model, windows, blending, tile, dtype) saying
 `"complete": false` until then. Another model, survey or setting is refused unless --overwrite; anything predict did
 not write (the amplitude, your labels, a folder) is never written over. Rank 0 draws the amplitude with the
@@ -263,8 +266,9 @@ def main(argv, stop=None):
 
 def stopped_at(stop, signals, written, marks, n_tiles, work, device):
     """The ranks agreed to stop after a round of tiles (`signals` reached them; this rank wrote `written`): how many
-    tiles are now written in all (the markers, (store, prefix), listed again), one line saying so (rank 0: stderr, and under launch.sh its MAE_STOPPED file, the line it repeats last),
-    and the exit code, RESUMABLE or INTERRUPTED (a Ctrl-C's)."""
+    tiles are now written in all (the markers, `marks` = (store, prefix), listed again), one line saying so (rank 0:
+    stderr, and under launch.sh its MAE_STOPPED file, the line launch.sh repeats last), and the exit code, RESUMABLE
+    or INTERRUPTED (a Ctrl-C's)."""
     done = torch.tensor([written], device=device)
     dist.all_reduce(done)  # (every tile is written before its marker, and markers before this)
     code = INTERRUPTED if "SIGINT" in signals else RESUMABLE
