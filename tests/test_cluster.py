@@ -245,6 +245,20 @@ def test_hostfile_over_real_ssh_follows_one_node(sshd, common, one_node, tmp_pat
     _assert_follows(one_node, tmp_path / "out")
 
 
+def _release_requeued(slurm, job, timeout=60):
+    """Start a requeued job now: SLURM holds one for a while (Reason=BeginTime), which only the test's clock minds.
+    Only once both nodes are idle again and a second has passed: slurmd refuses a job whose credential is not newer,
+    in whole seconds, than the revocation of its first run's ("Killing non-startable batch job: Job credential
+    revoked": seen when it was released at once)."""
+    deadline = time.time() + timeout
+    time.sleep(2)
+    while set(subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=slurm.env(), capture_output=True,
+                             text=True).stdout.split()) != {"idle"}:
+        assert time.time() < deadline, f"the nodes are not idle; job {slurm.job(job)}"
+        time.sleep(0.25)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env(), check=True)
+
+
 def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(slurm, small_store, tmp_path):
     """The job's --signal=USR1@stop_lead_s (sbatch's, from launch.sh) reaches the ranks before the time limit: they
     write a checkpoint at the step they are in and exit 75; with REQUEUE=1 the batch script requeues the job, which
@@ -277,9 +291,9 @@ def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(slurm, smal
         update(2)  # 120 s from the start, which is > 20 s ago: the 100 s warning is due at once
         wait_for(lambda: (out / "STOPPED").exists(), "the ranks stopped", timeout=120)
         wait_for(lambda: slurm.job(job).get("JobState") == "PENDING", "requeued", timeout=60)
-        # the requeued run gets its time back (it would be warned again during its start-up), and starts now: SLURM
-        # holds a requeued job for a while (Reason=BeginTime), which only the test's clock minds
-        update(10, "StartTime=now")
+        # the requeued run gets its time back (it would be warned again during its start-up), and starts now
+        update(10)
+        _release_requeued(slurm, job)
         stopped = (out / "STOPPED").read_text()
         n = int(re.search(r"after (\d+) steps", stopped).group(1))
         assert stopped.startswith(f"stopped by SIGUSR1 after {n} steps: checkpoint {out}/ckpt/step_{n:07d} is "
@@ -328,7 +342,7 @@ def test_predict_under_slurm_stops_on_the_warning_requeues_and_finishes(slurm, p
             assert time.time() < deadline, f"not requeued; job {slurm.job(job)}"
             time.sleep(0.25)
         n = len(os.listdir(marks))
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env(), check=True)
+        _release_requeued(slurm, job)
         state = slurm.wait_job(job, timeout=240)
     finally:
         subprocess.run(["scancel", job], env=slurm.env())
