@@ -38,9 +38,10 @@ time-limit warning) or a Ctrl-C stops the ranks after their current round of til
 step (infra/stop.py): the last line says how many tiles are written, and the exit code is 75 (130 after a Ctrl-C).
 What it writes over (infra/outputs.py, all checked before any work): a local --out is built at OUT.partial and
 renamed when complete; on s3:// and in an MDIO store it is written in place, the record (attribute `predict`: survey,
-model, windows, blending, tile, dtype) saying `"complete": false` until then. Another model, survey or setting is refused unless --overwrite; anything predict did
-not write (the amplitude, your labels, a folder) is never written over. Rank 0 draws the amplitude with the
-prediction on the central inline, crossline and time slice (OUT.png, or --picture).
+model, windows, blending, tile, dtype) saying `"complete": false` until then. Another model, survey or setting is
+refused unless --overwrite; anything predict did not write (the amplitude, your labels, a folder) is never written
+over. Rank 0 draws the amplitude with the prediction on the central inline, crossline and time slice (OUT.png, or
+--picture).
 """
 import argparse
 import json
