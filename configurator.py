@@ -44,6 +44,8 @@ align_crops = False  # crop origins on chunk boundaries: fewest chunks (and byte
 store_chunks = (128, 128, 128)  # the chunks data_paths' stores were written in (MDIO's default): what the
 #                                 planner prices S3 requests at, one GET a chunk; the reader reads each store's own
 min_live = 0.0  # skip crops whose live-trace fraction is below this
+flip_crops = False  # augmentation: training crops (and labels) mirrored at random along inline and crossline, each
+#                     with probability 1/2, as a function of the sample's index (data.Sampler's flip); never validation
 read_retries = 6  # retries of a failing chunk request (exponential backoff, jitter), then an error
 read_timeout_s = 30.0  # a request that has not answered by then is retried
 s3_anon = False  # anonymous S3 (public buckets); else the normal AWS credential chain

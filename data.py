@@ -100,11 +100,17 @@ class Sampler:
                     crops, and a batch is (B, 2, ...): channel 0 the amplitude, channel 1 the labels (one tensor
                     through the prefetcher, the pinned copy and the copy to the device). Each store's variable is
                     checked (present, same grid, integer) when the sampler is made; classes: labels must lie in
-                    [0, classes), checked at every read."""
+                    [0, classes), checked at every read.
+      flip          augmentation: each sample mirrored along inline and along crossline, each with probability 1/2
+                    (flips(g): a function of (seed, g) alone, as the crop is), its labels with it. Mirroring along the
+                    horizontal axes keeps a survey a survey (faults stay planes, dips change sign); time is never
+                    reversed (a wavelet and the layering have a direction). Under cp, rank r of a sample mirrored
+                    along inline reads slab cp - 1 - r and mirrors it: the slabs side by side are the mirrored
+                    sample, as on one rank."""
 
     def __init__(self, stores, crop, seed=0, micro_batch=1, dp_rank=0, dp_size=1, grad_accum=1, cp_rank=0,
                  cp_size=1, align=False, min_live=0.0, opts=None, part=None, stream="train", weighting="uniform",
-                 max_open=64, label_var=None, classes=2):
+                 max_open=64, label_var=None, classes=2, flip=False):
         import threading
         from collections import OrderedDict
         from concurrent.futures import ThreadPoolExecutor
@@ -150,7 +156,7 @@ class Sampler:
         # the samples of a micro batch are located side by side (locating may open a store: metadata requests), then
         # read together (read_crops); the chunk requests of all of them share opts.in_flight places (RequestStore)
         self.sample_pool = ThreadPoolExecutor(max_workers=micro_batch, thread_name_prefix="sample")
-        self.label_var, self.classes = label_var, classes
+        self.label_var, self.classes, self.flip = label_var, classes, flip
         if label_var:  # a store without usable labels fails now, before any work
             for v in range(len(self.records)):
                 self.volume(v).variable(label_var)
@@ -159,7 +165,7 @@ class Sampler:
         """The same stream as whole samples (no cp slab): what infra/evaluate.floor_of reads; close() it after."""
         return Sampler(self.records, self.crop, seed=self.seed, micro_batch=self.micro_batch, align=self.align,
                        min_live=self.min_live, opts=self.opts, part=self.part, stream=self.stream,
-                       weighting=self.weighting, max_open=self.max_open)
+                       weighting=self.weighting, max_open=self.max_open, flip=self.flip)
 
     def global_index(self, step, micro, i):
         """Sample number in the whole run's stream: steps, then micro steps, then dp ranks, then batch rows. Step s
@@ -187,6 +193,14 @@ class Sampler:
                 return v, tuple(origin)
         raise DataError(f"no crop of {self.crop} with a live-trace fraction >= {self.min_live} found in 1000 draws: "
                         f"lower min_live or check the stores' trace masks")
+
+    def flips(self, g):
+        """(along inline, along crossline): whether sample g is mirrored along each, from a stream of its own (key
+        [seed, g, 3]), so that turning flip on changes no crop. (False, False) when flip is off."""
+        if not self.flip:
+            return False, False
+        a, b = np.random.default_rng([self.seed, g, 3]).random(2) < 0.5
+        return bool(a), bool(b)
 
     def volume(self, v):
         """Store v, opened (at most once, by whichever thread needs it first; kept among the max_open most recently
@@ -223,15 +237,25 @@ class Sampler:
                 self._open.popitem(last=False)
 
     def where(self, g):
-        """(the opened store, origin of this rank's slab) of global sample g."""
+        """(the opened store, origin of this rank's slab) of global sample g: slab cp_rank of its crop, or slab
+        cp - 1 - cp_rank when the sample is mirrored along inline (read() mirrors it)."""
         v, origin = self.locate(g)
-        return self.volume(v), (origin[0] + self.cp_rank * self.slab[0],) + origin[1:]
+        k = self.cp_size - 1 - self.cp_rank if self.flips(g)[0] else self.cp_rank
+        return self.volume(v), (origin[0] + k * self.slab[0],) + origin[1:]
+
+    def mirror(self, xs, ids):
+        """Each sample's slab mirrored as flips() says: (Z / cp, Y, X) arrays, numpy axes 0 (inline), 1 (crossline)."""
+        out = []
+        for x, g in zip(xs, ids):
+            axes = [a for a, f in enumerate(self.flips(g)) if f]
+            out.append(np.ascontiguousarray(np.flip(x, axes)) if axes else x)
+        return out
 
     def read(self, ids):
         """(len(ids), 1, crop[0] / cp, crop[1], crop[2]) float32 tensor: this rank's slabs of samples `ids`. Their
         stores are located (and opened if need be) side by side in threads, then the slabs are read together."""
         located = list(self.sample_pool.map(self.where, ids))
-        xs = read_crops([(vol, o, self.slab) for vol, o in located])
+        xs = self.mirror(read_crops([(vol, o, self.slab) for vol, o in located]), ids)
         with self._lock:
             self.bytes += sum(x.nbytes for x in xs)
         if not self.label_var:
@@ -243,6 +267,7 @@ class Sampler:
                 raise DataError(f"{vol.url!r}: label variable {self.label_var!r} holds class {lo if lo < 0 else hi} in "
                                 f"the crop at {o}, outside [0, classes={self.classes}): set classes to the number of "
                                 f"classes the labels use")
+        ys = self.mirror(ys, ids)
         return torch.from_numpy(np.stack([np.stack(xs), np.stack(ys)], axis=1))  # (B, 2, Z / cp, Y, X)
 
     def batch(self, step, micro=0):
@@ -368,10 +393,11 @@ def samplers(cfg, cp_rank, dp_rank, dp_size, log):
                     weighting=cfg["sample_weighting"], max_open=cfg["max_open_stores"],
                     label_var=cfg["label_var"] if cfg["task"] == "segment" else None, classes=cfg["classes"])
     train = Sampler(stores, dp_rank=dp_rank, dp_size=dp_size, grad_accum=cfg["grad_accum"],
-                    part=("train", cfg["val_frac"]) if held_out else None, **sampling)
+                    part=("train", cfg["val_frac"]) if held_out else None, flip=cfg["flip_crops"], **sampling)
     # what the training stream depends on besides the seed: which stores, in which order, drawn how (a glob
     # re-expanded at a relaunch may have found more; train.py warns when a resumed run's differs)
-    digest = hashlib.sha256(json.dumps([[r["url"] for r in stores], cfg["sample_weighting"]]).encode()).hexdigest()[:16]
+    drawn = [[r["url"] for r in stores], cfg["sample_weighting"]] + (["flip_crops"] if cfg["flip_crops"] else [])
+    digest = hashlib.sha256(json.dumps(drawn).encode()).hexdigest()[:16]
     val = None
     if val_stores or held_out:
         recs = val_stores or stores

@@ -20,7 +20,8 @@ Each is scored on `test` held-out volumes, whole: fault IoU and Dice at probabil
 every voxel. Differences are paired (the three met the same volumes, crops and test set within a seed): diff =
 pretrained - the better of the two scratch baselines (by its mean), se = the standard error of that difference
 over seeds. The JSON line's `by_labels` holds, per label count, the means over seeds.
---seed shifts every seed (volumes, inits, crops) for a fresh draw of the whole table.
+--seed shifts every seed (volumes, inits, crops) for a fresh draw of the whole table; --flip mirrors every fine-tuning's
+crops at random along inline and crossline (train.py's flip_crops, the U-Net's sampler alike).
 """
 import argparse
 import json
@@ -104,8 +105,8 @@ def train_unet(paths, a, seed):
     net = UNet3D().to(DEVICE)
     opt = configure_optimizers(net, {**configurator.defaults(), "weight_decay": 0.05}, a.lr)  # (the ViT runs' AdamW)
     cfg = {"warmup_steps": a.warmup, "max_steps": a.finetune_steps, "min_lr": 0.0}
-    sampler = data.Sampler(paths, a.crop, seed=seed, micro_batch=a.batch, label_var="fault",
-                           weighting="volume")  # (train.py's default sample_weighting: the same draws)
+    sampler = data.Sampler(paths, a.crop, seed=seed, micro_batch=a.batch, label_var="fault", weighting="volume",
+                           flip=a.flip)  # (train.py's default sample_weighting and its flip_crops: the same draws)
     try:
         for step in range(a.finetune_steps):
             for g in opt.param_groups:
@@ -197,10 +198,11 @@ def axes(a, name):
     return t * 3 if len(t) == 1 else t
 
 
+# what the stores and runs in --out depend on (--labels and --seeds only add runs: a folder with more or fewer is gone
+# on from)
 SETTINGS = ("shape", "crop", "patch", "model_size", "unlabelled", "test", "pretrain_steps", "pretrain_batch",
             "pretrain_blr", "mask_ratio", "finetune_steps", "batch", "lr", "warmup", "pos_weight", "seg_head",
-            "seg_features", "layer_decay", "seed")  # what the stores and runs in --out depend on (--labels and --seeds only add
-#                                      runs: a folder with more or fewer is gone on from)
+            "seg_features", "layer_decay", "flip", "seed")
 
 
 def claim_folder(a):
@@ -270,6 +272,8 @@ def main(argv):
                     "(12: the U-Net's)")
     ap.add_argument("--layer_decay", type=float, default=1.0, help="the ViTs' fine-tuning layer decay (train.py's "
                     "layer_decay; MAE fine-tunes with 0.75)")
+    ap.add_argument("--flip", action="store_true", help="every fine-tuning's crops mirrored at random along inline "
+                    "and crossline (train.py's flip_crops; the U-Net's too)")
     ap.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu or cuda")
     ap.add_argument("--out", default="", help="keep the stores and runs here (default: a temporary folder); a folder "
                     "of an earlier table with the same settings is gone on from")
@@ -324,7 +328,7 @@ def main(argv):
                               f"--blr={peak}", f"--warmup_steps={a.warmup}", f"--pos_weight={a.pos_weight}",
                               f"--seed={seed}", f"--init_from={init}", "--weight_decay=0.05",
                               f"--seg_head={a.seg_head}", f"--seg_features={a.seg_features}",
-                              f"--layer_decay={a.layer_decay}"], lambda line: None)
+                              f"--layer_decay={a.layer_decay}", f"--flip_crops={a.flip}"], lambda line: None)
                     model, _ = modelfile.load(modelfile.export(out))
                     prob = np.stack([predict("vit", model, v, a.crop) for v, _, _ in test_vols])
                     results[n][kind].append(scores(prob, np.stack([f for _, f, _ in test_vols])))
@@ -371,7 +375,7 @@ def main(argv):
                       "pretrain_batch": a.pretrain_batch, "pretrain_blr": a.pretrain_blr, "mask_ratio": a.mask_ratio,
                       "finetune_steps": a.finetune_steps, "batch": a.batch, "lr": a.lr, "pos_weight": a.pos_weight,
                       "seg_head": a.seg_head, "seg_features": a.seg_features, "layer_decay": a.layer_decay,
-                      "device": DEVICE,
+                      "flip": a.flip, "device": DEVICE,
                       "seconds": round(time.time() - t0, 1), "out": root}))
     return 0
 

@@ -250,6 +250,34 @@ def test_faults_are_as_dense_as_the_recipe_makes_them_at_its_size():
 
 
 @pytest.mark.slow
+def test_flipped_crops_are_the_crops_mirrored_with_their_labels_and_their_cp_slabs_side_by_side(labelled):
+    """flip=True (train.py's flip_crops): each sample is the unflipped sampler's same sample, amplitude and labels
+    mirrored alike along inline and / or crossline as flips(g) says, all four ways among 32 samples; under cp 2 the two
+    ranks' slabs side by side are exactly the one-rank sample, mirrored along inline included."""
+    import torch
+
+    import data
+    crop, kw = (16, 16, 32), dict(seed=3, micro_batch=8, label_var="fault")
+    plain, flip = data.Sampler([labelled], crop, **kw), data.Sampler([labelled], crop, flip=True, **kw)
+    ranks = [data.Sampler([labelled], crop, flip=True, cp_rank=r, cp_size=2, **kw) for r in (0, 1)]
+    seen = set()
+    for step in range(4):
+        (x0, ids), (x1, ids1) = plain.batch(step), flip.batch(step)  # (8, 2, 16, 16, 32): amplitude, labels
+        assert ids == ids1 and x1[:, 1].sum() > 0
+        for i, g in enumerate(ids):
+            f = flip.flips(g)
+            seen.add(f)
+            want = torch.flip(x0[i], [d + 1 for d, on in enumerate(f) if on])  # (2, Z, Y, X): both channels
+            assert torch.equal(x1[i], want), (g, f)
+            if any(f):
+                assert not torch.equal(x1[i], x0[i])
+        assert torch.equal(torch.cat([r.batch(step)[0] for r in ranks], dim=2), x1)
+    assert seen == {(False, False), (True, False), (False, True), (True, True)}
+    assert plain.flips(0) == (False, False)
+    for s in (plain, flip, *ranks):
+        s.close()
+
+
 def test_the_label_efficiency_table_runs_small():
     """`python -m scripts.label_efficiency --quick`: the three models on the same draws, the table, and its JSON line
     last with by_labels (IoU means per model, the paired difference to the better scratch baseline and its standard
@@ -258,7 +286,7 @@ def test_the_label_efficiency_table_runs_small():
     import sys
 
     from conftest import ROOT, job_env
-    r = subprocess.run([sys.executable, "-m", "scripts.label_efficiency", "--quick"], cwd=ROOT, env=job_env(),
+    r = subprocess.run([sys.executable, "-m", "scripts.label_efficiency", "--quick", "--flip"], cwd=ROOT, env=job_env(),
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -272,7 +300,7 @@ def test_the_label_efficiency_table_runs_small():
     pre = out["pretraining"]  # the MAE's validation loss beside its floor, and the flag when it is not below it
     assert 0 < pre["val_floor"] < 1.5 and pre["below_floor"] == (pre["val_loss"] < pre["val_floor"])
     assert ("ABOVE THE FLOOR" in r.stdout) == (not pre["below_floor"])
-    assert out["crop"] == [16, 16, 32] and out["patch"] == [2, 2, 16] and out["seg_head"] == "unetr"
+    assert out["crop"] == [16, 16, 32] and out["patch"] == [2, 2, 16] and out["seg_head"] == "unetr" and out["flip"]
 
 
 def test_the_quickstart_store_keeps_its_amplitude_and_carries_its_fault_labels(tmp_path):
