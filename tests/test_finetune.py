@@ -249,7 +249,6 @@ def test_faults_are_as_dense_as_the_recipe_makes_them_at_its_size():
     assert cut < 0.16 < drawn, (cut, drawn)
 
 
-@pytest.mark.slow
 def test_flipped_crops_are_the_crops_mirrored_with_their_labels_and_their_cp_slabs_side_by_side(labelled):
     """flip=True (train.py's flip_crops): each sample is the unflipped sampler's same sample, amplitude and labels
     mirrored alike along inline and / or crossline as flips(g) says, all four ways among 32 samples; under cp 2 the two
@@ -278,6 +277,7 @@ def test_flipped_crops_are_the_crops_mirrored_with_their_labels_and_their_cp_sla
         s.close()
 
 
+@pytest.mark.slow
 def test_the_label_efficiency_table_runs_small():
     """`python -m scripts.label_efficiency --quick`: the three models on the same draws, the table, and its JSON line
     last with by_labels (IoU means per model, the paired difference to the better scratch baseline and its standard
