@@ -21,7 +21,9 @@ every voxel. Differences are paired (the three met the same volumes, crops and t
 pretrained - the better of the two scratch baselines (by its mean), se = the standard error of that difference
 over seeds. The JSON line's `by_labels` holds, per label count, the means over seeds.
 --seed shifts every seed (volumes, inits, crops) for a fresh draw of the whole table; --flip mirrors every fine-tuning's
-crops at random along inline and crossline (train.py's flip_crops, the U-Net's sampler alike).
+crops at random along inline and crossline (train.py's flip_crops, the U-Net's sampler alike). The ViTs' test
+windows overlap by --overlap (0.5) and are blended as scripts.predict blends them; --overlap=0 tiles them, as every
+table before the option did.
 """
 import argparse
 import json
@@ -125,25 +127,31 @@ def train_unet(paths, a, seed):
 
 
 @torch.no_grad()
-def predict(kind, model, vol, crop):
-    """Fault probability of every voxel of a whole normalised volume (numpy (I, X, T), each a multiple of crop):
-    the ViT on the volume's tiles of its crop, a batch of them at a time; the U-Net in one pass."""
+def predict(kind, model, vol, crop, overlap=0.0, blend="gaussian"):
+    """Fault probability of every voxel of a whole normalised volume (numpy (I, X, T), each at least the crop): the
+    U-Net in one pass; the ViT on windows of its crop, a batch at a time. With overlap 0 the windows tile the volume;
+    with overlap > 0 they overlap by that fraction and are blended as scripts.predict blends them (infra/sliding.py:
+    p = sum_k w_k p_k / sum_k w_k, the weight a product of three 1D weights, so the denominator is too)."""
     x = torch.from_numpy(vol)[None, None].to(DEVICE)
     if kind == "unet":
         return torch.sigmoid(model(x))[0, 0].cpu().numpy()
+    from infra import sliding
     from model import unpatchify
     model = model.to(DEVICE)
-    out = np.zeros(vol.shape, dtype=np.float32)
-    corners = [(i, j, k) for i in range(0, vol.shape[0], crop[0]) for j in range(0, vol.shape[1], crop[1])
-               for k in range(0, vol.shape[2], crop[2])]
+    starts = [sliding.window_starts(S, c, max(1, round(c * (1 - overlap)))) for S, c in zip(vol.shape, crop)]
+    w1 = [sliding.axis_weights(c, blend) for c in crop]  # (c,) per axis
+    w = torch.from_numpy(np.einsum("i,j,k->ijk", *w1)).float()  # (*crop): one window's weight
+    norm = np.einsum("i,j,k->ijk", *(sliding.normaliser(S, o, wa) for S, o, wa in zip(vol.shape, starts, w1)))
+    out = np.zeros(vol.shape, dtype=np.float64)  # sum_k w_k p_k, then / sum_k w_k
+    corners = [(i, j, k) for i in starts[0] for j in starts[1] for k in starts[2]]
     for n in range(0, len(corners), 16):
         tiles = corners[n:n + 16]
-        w = torch.cat([x[..., i:i + crop[0], j:j + crop[1], k:k + crop[2]] for i, j, k in tiles])  # (b, 1, *crop)
-        logits = model.seg_logits(w)  # (b, L, P, 1)
-        p = unpatchify(torch.sigmoid(logits[..., 0]), model.patch, model.grid).cpu().numpy()  # (b, 1, *crop)
-        for (i, j, k), q in zip(tiles, p):
-            out[i:i + crop[0], j:j + crop[1], k:k + crop[2]] = q[0]
-    return out
+        win = torch.cat([x[..., i:i + crop[0], j:j + crop[1], k:k + crop[2]] for i, j, k in tiles])  # (b, 1, *crop)
+        logits = model.seg_logits(win)  # (b, L, P, 1)
+        p = unpatchify(torch.sigmoid(logits[..., 0]), model.patch, model.grid).cpu()  # (b, 1, *crop)
+        for (i, j, k), q in zip(tiles, (p[:, 0] * w).numpy()):
+            out[i:i + crop[0], j:j + crop[1], k:k + crop[2]] += q
+    return (out / norm).astype(np.float32)
 
 
 def scores(prob, label):
@@ -174,6 +182,8 @@ def check_options(a):
     for name in ("lr", "pretrain_blr", "pos_weight"):
         configurator.need(math.isfinite(getattr(a, name)) and getattr(a, name) > 0, f"--{name}={getattr(a, name)} must be > 0")
     configurator.need(0 < a.mask_ratio < 1, f"--mask_ratio={a.mask_ratio} must be in (0, 1)")
+    configurator.need(0 <= a.overlap < 1, f"--overlap={a.overlap}: the fraction of a window its neighbour overlaps, "
+                      "in [0, 1)")
     configurator.need(0 < a.layer_decay <= 1, f"--layer_decay={a.layer_decay} must be in (0, 1] (1: off)")
     configurator.need(a.model_size in SIZES, f"--model_size={a.model_size!r}: one of {list(SIZES)}")
     configurator.need(a.seg_head in ("unetr", "linear"), f"--seg_head={a.seg_head!r}: unetr or linear")
@@ -274,6 +284,8 @@ def main(argv):
                     "layer_decay; MAE fine-tunes with 0.75)")
     ap.add_argument("--flip", action="store_true", help="every fine-tuning's crops mirrored at random along inline "
                     "and crossline (train.py's flip_crops; the U-Net's too)")
+    ap.add_argument("--overlap", type=float, default=0.5, help="the ViTs' test windows: the fraction of a window its "
+                    "neighbour overlaps, blended as scripts.predict blends them (0: tiles side by side)")
     ap.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu or cuda")
     ap.add_argument("--out", default="", help="keep the stores and runs here (default: a temporary folder); a folder "
                     "of an earlier table with the same settings is gone on from")
@@ -330,7 +342,7 @@ def main(argv):
                               f"--seg_head={a.seg_head}", f"--seg_features={a.seg_features}",
                               f"--layer_decay={a.layer_decay}", f"--flip_crops={a.flip}"], lambda line: None)
                     model, _ = modelfile.load(modelfile.export(out))
-                    prob = np.stack([predict("vit", model, v, a.crop) for v, _, _ in test_vols])
+                    prob = np.stack([predict("vit", model, v, a.crop, a.overlap) for v, _, _ in test_vols])
                     results[n][kind].append(scores(prob, np.stack([f for _, f, _ in test_vols])))
                     bar.update()
                 net = train_unet(labelled, argparse.Namespace(**{**vars(a), "lr": a.lr}), seed)
@@ -375,7 +387,7 @@ def main(argv):
                       "pretrain_batch": a.pretrain_batch, "pretrain_blr": a.pretrain_blr, "mask_ratio": a.mask_ratio,
                       "finetune_steps": a.finetune_steps, "batch": a.batch, "lr": a.lr, "pos_weight": a.pos_weight,
                       "seg_head": a.seg_head, "seg_features": a.seg_features, "layer_decay": a.layer_decay,
-                      "flip": a.flip, "device": DEVICE,
+                      "flip": a.flip, "overlap": a.overlap, "device": DEVICE,
                       "seconds": round(time.time() - t0, 1), "out": root}))
     return 0
 

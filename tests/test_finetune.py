@@ -277,6 +277,49 @@ def test_flipped_crops_are_the_crops_mirrored_with_their_labels_and_their_cp_sla
         s.close()
 
 
+def test_the_label_efficiency_windows_blend_as_their_definition_says():
+    """The benchmark's ViT scoring (scripts.label_efficiency.predict): at overlap 0 the windows tile the volume, each
+    voxel its one window's probability; at overlap 0.5 each voxel is sum_k w_k p_k / sum_k w_k over the windows
+    covering it, checked against a survey-sized weight buffer built here window by window (the code sums 1D weights)."""
+    import numpy as np
+    import torch
+
+    import configurator
+    import model as M
+    from infra import sliding
+    from scripts import label_efficiency as le
+    crop, shape = (8, 8, 16), (24, 16, 32)
+    torch.manual_seed(0)
+    net = M.build_model({**configurator.defaults(), "model_size": "tiny", "crop": crop, "patch": (2, 2, 8),
+                         "task": "segment", "seg_head": "unetr", "seg_features": 4}).eval()
+    vol = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+
+    def window(i, j, k):  # (*crop) the model's probabilities on one window
+        x = torch.from_numpy(vol[i:i + crop[0], j:j + crop[1], k:k + crop[2]].copy())[None, None]
+        return M.unpatchify(torch.sigmoid(net.seg_logits(x)[..., 0]), net.patch, net.grid)[0, 0].numpy()
+
+    with torch.no_grad():
+        tiled, blended = le.predict("vit", net, vol, crop), le.predict("vit", net, vol, crop, overlap=0.5)
+        want = np.zeros(shape)
+        for i in range(0, shape[0], crop[0]):
+            for j in range(0, shape[1], crop[1]):
+                for k in range(0, shape[2], crop[2]):
+                    want[i:i + crop[0], j:j + crop[1], k:k + crop[2]] = window(i, j, k)
+        np.testing.assert_allclose(tiled, want, atol=1e-6)
+        w = np.einsum("i,j,k->ijk", *(sliding.axis_weights(c) for c in crop))
+        num, den, n = np.zeros(shape), np.zeros(shape), 0
+        for i in range(0, shape[0] - crop[0] + 1, crop[0] // 2):
+            for j in range(0, shape[1] - crop[1] + 1, crop[1] // 2):
+                for k in range(0, shape[2] - crop[2] + 1, crop[2] // 2):
+                    box = np.s_[i:i + crop[0], j:j + crop[1], k:k + crop[2]]
+                    num[box] += w * window(i, j, k)
+                    den[box] += w
+                    n += 1
+    assert n == 5 * 3 * 3
+    np.testing.assert_allclose(blended, num / den, atol=1e-5)
+    assert np.abs(blended - tiled).max() > 1e-3  # the overlapping windows do change the probabilities
+
+
 @pytest.mark.slow
 def test_the_label_efficiency_table_runs_small():
     """`python -m scripts.label_efficiency --quick`: the three models on the same draws, the table, and its JSON line
