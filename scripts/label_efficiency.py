@@ -105,7 +105,7 @@ def train_unet(paths, a, seed):
     import train
     torch.manual_seed(seed)
     net = UNet3D().to(DEVICE)
-    opt = configure_optimizers(net, {**configurator.defaults(), "weight_decay": 0.05}, a.lr)  # (the ViT runs' AdamW)
+    opt = configure_optimizers(net, {**configurator.defaults(), "weight_decay": a.weight_decay}, a.lr)  # (as the ViTs')
     cfg = {"warmup_steps": a.warmup, "max_steps": a.finetune_steps, "min_lr": 0.0}
     sampler = data.Sampler(paths, a.crop, seed=seed, micro_batch=a.batch, label_var="fault", weighting="volume",
                            flip=a.flip)  # (train.py's default sample_weighting and its flip_crops: the same draws)
@@ -179,6 +179,8 @@ def check_options(a):
                         ("pretrain_steps", 1), ("pretrain_batch", 1), ("finetune_steps", 1), ("batch", 1),
                         ("warmup", 0), ("seg_features", 1)):
         configurator.need(getattr(a, name) >= least, f"--{name}={getattr(a, name)} must be >= {least}")
+    configurator.need(math.isfinite(a.weight_decay) and a.weight_decay >= 0,
+                      f"--weight_decay={a.weight_decay} must be >= 0")
     for name in ("lr", "pretrain_blr", "pos_weight"):
         configurator.need(math.isfinite(getattr(a, name)) and getattr(a, name) > 0, f"--{name}={getattr(a, name)} must be > 0")
     configurator.need(0 < a.mask_ratio < 1, f"--mask_ratio={a.mask_ratio} must be in (0, 1)")
@@ -212,7 +214,7 @@ def axes(a, name):
 # on from)
 SETTINGS = ("shape", "crop", "patch", "model_size", "unlabelled", "test", "pretrain_steps", "pretrain_batch",
             "pretrain_blr", "mask_ratio", "finetune_steps", "batch", "lr", "warmup", "pos_weight", "seg_head",
-            "seg_features", "layer_decay", "flip", "seed")
+            "seg_features", "layer_decay", "weight_decay", "flip", "seed")
 
 
 def claim_folder(a):
@@ -282,6 +284,8 @@ def main(argv):
                     "(12: the U-Net's)")
     ap.add_argument("--layer_decay", type=float, default=1.0, help="the ViTs' fine-tuning layer decay (train.py's "
                     "layer_decay; MAE fine-tunes with 0.75)")
+    ap.add_argument("--weight_decay", type=float, default=0.05, help="every fine-tuning's AdamW weight decay, on weight "
+                    "matrices and kernels (MAE's fine-tuning: 0.05)")
     ap.add_argument("--flip", action="store_true", help="every fine-tuning's crops mirrored at random along inline "
                     "and crossline (train.py's flip_crops; the U-Net's too)")
     ap.add_argument("--overlap", type=float, default=0.5, help="the ViTs' test windows: the fraction of a window its "
@@ -338,7 +342,7 @@ def main(argv):
                     train_py([*common, "--task=segment", f"--data_paths={labelled}", f"--out_dir={out}",
                               f"--micro_batch={a.batch}", "--val_frac=0.0", f"--max_steps={a.finetune_steps}",
                               f"--blr={peak}", f"--warmup_steps={a.warmup}", f"--pos_weight={a.pos_weight}",
-                              f"--seed={seed}", f"--init_from={init}", "--weight_decay=0.05",
+                              f"--seed={seed}", f"--init_from={init}", f"--weight_decay={a.weight_decay}",
                               f"--seg_head={a.seg_head}", f"--seg_features={a.seg_features}",
                               f"--layer_decay={a.layer_decay}", f"--flip_crops={a.flip}"], lambda line: None)
                     model, _ = modelfile.load(modelfile.export(out))
@@ -387,7 +391,7 @@ def main(argv):
                       "pretrain_batch": a.pretrain_batch, "pretrain_blr": a.pretrain_blr, "mask_ratio": a.mask_ratio,
                       "finetune_steps": a.finetune_steps, "batch": a.batch, "lr": a.lr, "pos_weight": a.pos_weight,
                       "seg_head": a.seg_head, "seg_features": a.seg_features, "layer_decay": a.layer_decay,
-                      "flip": a.flip, "overlap": a.overlap, "device": DEVICE,
+                      "weight_decay": a.weight_decay, "flip": a.flip, "overlap": a.overlap, "device": DEVICE,
                       "seconds": round(time.time() - t0, 1), "out": root}))
     return 0
 
