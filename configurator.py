@@ -71,6 +71,7 @@ seg_head = "unetr"  # segment: unetr (features of several encoder depths up to e
 #                     linear (the decoder's blocks, then each token's voxels from it alone: a probe's head)
 seg_features = 16  # segment, unetr: channels at full resolution (x 2 at each coarser level), UNETR's feature size
 layer_decay = 1.0  # segment: encoder block k's lr x layer_decay^(depth - k), the embedding's ^(depth + 1) (MAE: 0.75)
+freeze_encoder_steps = 0  # segment: the encoder's lr is 0 for the first steps, the head alone learns (then all: LP-FT)
 # context parallelism: each sample's tokens split over cp ranks (contiguous inline slabs)
 cp = 1  # ranks per sample; world size must be a multiple; at most one node (8) in practice
 cp_impl = "ring"  # ring (ring_attention.py) | torch (PyTorch's own ring functions, checked against ours at start)
@@ -209,7 +210,8 @@ BOUNDS = {k: (1, None, True) for k in ("max_steps", "micro_batch", "grad_accum",
                                        "keep_ckpts", "in_flight", "prefetch", "zero_bucket", "zero3_max_live",
                                        "max_open_stores", "eval_interval", "nodes", "seg_features")}
 BOUNDS.update({k: (0, None, True) for k in ("read_retries", "warmup_steps", "min_lr", "weight_decay", "grad_clip",
-                                            "stop_step", "seed", "gpus_per_node", "stop_lead_s", "lease_min_s")})
+                                            "stop_step", "seed", "gpus_per_node", "stop_lead_s", "lease_min_s",
+                                            "freeze_encoder_steps")})
 BOUNDS.update({k: (0, None, False) for k in ("blr", "read_timeout_s", "ckpt_write_gbps", "lease_stale",
                                              "gpu_peak_flops")})
 BOUNDS["min_live"] = (0, 1, True)
@@ -305,6 +307,9 @@ def check_config(cfg):
          f"patch {tuple(cfg['patch'])} (or seg_head='linear')")
     need(0 < cfg["layer_decay"] <= 1, f"layer_decay must be in (0, 1] (1: off; MAE fine-tunes with 0.75), got "
                                       f"{cfg['layer_decay']}")
+    need(cfg["task"] == "segment" or cfg["freeze_encoder_steps"] == 0,
+         f"freeze_encoder_steps={cfg['freeze_encoder_steps']} freezes a fine-tuning's encoder: set task='segment' or "
+         f"drop it")
     need(cfg["task"] != "segment" or bool(cfg["label_var"]),
          "task='segment' needs label_var: the stores' class variable (e.g. 'fault')")
     if cfg["tensorboard"]:

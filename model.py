@@ -537,11 +537,16 @@ def configure_optimizers(model, cfg, lr):
       fine-tuning with layer_decay < 1 (task="segment", MAE's recipe): one group per encoder depth k, each with
         lr_scale = layer_decay^(depth + 1 - k): k = 0 the patch embedding and cls token, k = i + 1 block i,
         k = depth + 1 (scale 1) the final norm and the head. Deep layers move at the full lr, the patch embedding
-        least: it learnt the most general features in pretraining.
-    train.py's train_step sets each group's lr to the schedule's x its lr_scale (1 where a group has none)."""
+        least: it learnt the most general features in pretraining;
+      fine-tuning with freeze_encoder_steps > 0: the same groups (lr_scale 1 when layer_decay is 1), those of
+        k <= depth marked "encoder": for the first freeze_encoder_steps steps their lr is 0 and the head (with the
+        final norm) learns alone on the pretrained features, then everything learns (linear probing, then fine-tuning:
+        the head is no longer random when the encoder starts to move, so its gradients distort the features less).
+    train.py's train_step sets each group's lr to the schedule's x its lr_scale (1 where a group has none), 0 for
+    an "encoder" group while it is frozen."""
     def decays(n, p):
         return p.ndim >= 2 and "token" not in n
-    if cfg.get("task") != "segment" or cfg.get("layer_decay", 1.0) >= 1.0:
+    if cfg.get("task") != "segment" or (cfg.get("layer_decay", 1.0) >= 1.0 and not cfg.get("freeze_encoder_steps")):
         named = list(model.named_parameters())
         groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": cfg["weight_decay"]},
                   {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
@@ -558,7 +563,7 @@ def configure_optimizers(model, cfg, lr):
         for n, p in model.named_parameters():
             k, wd = layer(n), decays(n, p)
             g = by_key.setdefault((k, wd), {"params": [], "weight_decay": cfg["weight_decay"] if wd else 0.0,
-                                            "lr_scale": cfg["layer_decay"] ** (depth + 1 - k)})
+                                            "lr_scale": cfg["layer_decay"] ** (depth + 1 - k), "encoder": k <= depth})
             g["params"].append(p)
         groups = [by_key[k] for k in sorted(by_key)]
     return torch.optim.AdamW(groups, lr=lr, betas=(cfg["beta1"], cfg["beta2"]))

@@ -234,8 +234,10 @@ def train_step(job, step, batches):
     loop does only every log_interval steps; the lr; the seconds the training thread waited for data)."""
     cfg, engine = job.cfg, job.engine
     lr = get_lr(step, job.peak_lr, cfg)
+    frozen = step < cfg["freeze_encoder_steps"]  # (fine-tuning: the head learns alone first, model.py says why)
     for group in job.optimizer.param_groups:  # ZeRO wraps this optimizer; its groups stay the ones it steps
-        group["lr"] = lr * group.get("lr_scale", 1.0)  # (lr_scale: layer_decay's, model.configure_optimizers)
+        scale = 0.0 if frozen and group.get("encoder") else group.get("lr_scale", 1.0)  # (model.configure_optimizers)
+        group["lr"] = lr * scale
     total, wait = torch.zeros(1, device=job.device), 0.0  # (on the device: NCCL reduces only CUDA tensors)
     for micro in range(cfg["grad_accum"]):
         t0 = time.time()

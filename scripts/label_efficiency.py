@@ -21,9 +21,10 @@ every voxel. Differences are paired (the three met the same volumes, crops and t
 pretrained - the better of the two scratch baselines (by its mean), se = the standard error of that difference
 over seeds. The JSON line's `by_labels` holds, per label count, the means over seeds.
 --seed shifts every seed (volumes, inits, crops) for a fresh draw of the whole table; --flip mirrors every fine-tuning's
-crops at random along inline and crossline (train.py's flip_crops, the U-Net's sampler alike). The ViTs' test
-windows overlap by --overlap (0.5) and are blended as scripts.predict blends them; --overlap=0 tiles them, as every
-table before the option did.
+crops at random along inline and crossline (train.py's flip_crops, the U-Net's sampler alike); --freeze=N trains
+the pretrained ViT's head alone for N steps before its encoder (LP-FT; a random encoder gains nothing from it, so the
+twin from scratch trains whole from the first step). The ViTs' test windows overlap by --overlap (0.5) and are
+blended as scripts.predict blends them; --overlap=0 tiles them, as every table before the option did.
 """
 import argparse
 import json
@@ -177,7 +178,7 @@ def check_options(a):
                                           f"integers separated by commas, e.g. --labels=1,4")
     for name, least in (("seeds", 1), ("seed", 0), ("shape", 1), ("unlabelled", 1), ("test", 1),
                         ("pretrain_steps", 1), ("pretrain_batch", 1), ("finetune_steps", 1), ("batch", 1),
-                        ("warmup", 0), ("seg_features", 1)):
+                        ("warmup", 0), ("seg_features", 1), ("freeze", 0)):
         configurator.need(getattr(a, name) >= least, f"--{name}={getattr(a, name)} must be >= {least}")
     configurator.need(math.isfinite(a.weight_decay) and a.weight_decay >= 0,
                       f"--weight_decay={a.weight_decay} must be >= 0")
@@ -214,7 +215,7 @@ def axes(a, name):
 # on from)
 SETTINGS = ("shape", "crop", "patch", "model_size", "unlabelled", "test", "pretrain_steps", "pretrain_batch",
             "pretrain_blr", "mask_ratio", "finetune_steps", "batch", "lr", "warmup", "pos_weight", "seg_head",
-            "seg_features", "layer_decay", "weight_decay", "flip", "seed")
+            "seg_features", "layer_decay", "weight_decay", "freeze", "flip", "seed")
 
 
 def claim_folder(a):
@@ -284,8 +285,10 @@ def main(argv):
                     "(12: the U-Net's)")
     ap.add_argument("--layer_decay", type=float, default=1.0, help="the ViTs' fine-tuning layer decay (train.py's "
                     "layer_decay; MAE fine-tunes with 0.75)")
-    ap.add_argument("--weight_decay", type=float, default=0.05, help="every fine-tuning's AdamW weight decay, on weight "
-                    "matrices and kernels (MAE's fine-tuning: 0.05)")
+    ap.add_argument("--weight_decay", type=float, default=0.05, help="every fine-tuning's AdamW weight decay, on "
+                    "weight matrices and kernels (MAE's fine-tuning: 0.05)")
+    ap.add_argument("--freeze", type=int, default=0, help="the pretrained ViT's encoder frozen for the first steps, "
+                    "its head alone learning (train.py's freeze_encoder_steps: LP-FT); the twin from scratch is not")
     ap.add_argument("--flip", action="store_true", help="every fine-tuning's crops mirrored at random along inline "
                     "and crossline (train.py's flip_crops; the U-Net's too)")
     ap.add_argument("--overlap", type=float, default=0.5, help="the ViTs' test windows: the fraction of a window its "
@@ -344,7 +347,8 @@ def main(argv):
                               f"--blr={peak}", f"--warmup_steps={a.warmup}", f"--pos_weight={a.pos_weight}",
                               f"--seed={seed}", f"--init_from={init}", f"--weight_decay={a.weight_decay}",
                               f"--seg_head={a.seg_head}", f"--seg_features={a.seg_features}",
-                              f"--layer_decay={a.layer_decay}", f"--flip_crops={a.flip}"], lambda line: None)
+                              f"--layer_decay={a.layer_decay}", f"--flip_crops={a.flip}",
+                              f"--freeze_encoder_steps={a.freeze if init else 0}"], lambda line: None)
                     model, _ = modelfile.load(modelfile.export(out))
                     prob = np.stack([predict("vit", model, v, a.crop, a.overlap) for v, _, _ in test_vols])
                     results[n][kind].append(scores(prob, np.stack([f for _, f, _ in test_vols])))
@@ -391,7 +395,7 @@ def main(argv):
                       "pretrain_batch": a.pretrain_batch, "pretrain_blr": a.pretrain_blr, "mask_ratio": a.mask_ratio,
                       "finetune_steps": a.finetune_steps, "batch": a.batch, "lr": a.lr, "pos_weight": a.pos_weight,
                       "seg_head": a.seg_head, "seg_features": a.seg_features, "layer_decay": a.layer_decay,
-                      "weight_decay": a.weight_decay, "flip": a.flip, "overlap": a.overlap, "device": DEVICE,
+                      "weight_decay": a.weight_decay, "freeze": a.freeze, "flip": a.flip, "overlap": a.overlap, "device": DEVICE,
                       "seconds": round(time.time() - t0, 1), "out": root}))
     return 0
 

@@ -118,9 +118,15 @@ def test_configure_optimizers_groups_every_parameter_once_with_its_decay_and_dep
             assert g["lr_scale"] == pytest.approx(want), (n, g["lr_scale"], want)
     assert {names[p] for g in opt.param_groups if g["lr_scale"] == 1.0 for p in g["params"]} >= {
         n for n in names.values() if not n.startswith(("blocks.", "patch_embed", "cls_token"))}
-    for c in ({**cfg, "layer_decay": 1.0}, {**cfg, "task": "mae"}):
+    for c in ({**cfg, "layer_decay": 1.0}, {**cfg, "task": "mae"}, {**cfg, "task": "mae", "freeze_encoder_steps": 3}):
         opt = M.configure_optimizers(M.build_model(c, device="meta"), c, lr=1e-3)
         assert len(opt.param_groups) == 2 and all("lr_scale" not in g for g in opt.param_groups)
+    c = {**cfg, "layer_decay": 1.0, "freeze_encoder_steps": 3}  # the groups by depth, each marked encoder or not
+    m = M.build_model(c, device="meta")
+    names, opt = {p: n for n, p in m.named_parameters()}, M.configure_optimizers(m, c, lr=1e-3)
+    assert all(g["lr_scale"] == 1.0 for g in opt.param_groups)
+    assert {names[p] for g in opt.param_groups if g["encoder"] for p in g["params"]} == {
+        n for n in names.values() if n.startswith(("blocks.", "patch_embed", "cls_token"))}
 
 
 @pytest.mark.slow
@@ -166,6 +172,34 @@ def test_every_strategy_fine_tunes_alike_with_layer_decay(labelled, tmp_path):
         assert all(close(losses[s], ref[s], 1e-4) for s in ref), (name, losses, ref)
         assert all(close(v["val_loss"], w["val_loss"], 1e-4) for v, w in zip(val, ref_val)), name
     assert abs(logs["no_decay"][0][5] - ref[5]) > 1e-4 * ref[5]
+
+@pytest.mark.slow
+def test_a_frozen_encoder_stays_the_pretrained_one_until_it_thaws_under_every_strategy(labelled, tmp_path):
+    """freeze_encoder_steps (linear probing, then fine-tuning): frozen for all 4 steps, the fine-tuned encoder is the
+    pretrained one bit for bit while its head has learnt; frozen for 2, the run is the all-frozen one's through the
+    frozen steps (the same losses) and then leaves it, its encoder moved; fsdp2 does as zero2 does (2 ranks each)."""
+    import torch
+    pre = tmp_path / "pre"
+    assert run_train(small_args(labelled, pre, max_steps=6)).returncode == 0
+    file = modelfile.export(str(pre), out=str(tmp_path / "pre.pt"))
+    runs = {}
+    for name, freeze, kw in (("all", 4, {}), ("half", 2, {}), ("half_fsdp2", 2, {"strategy": "fsdp2"})):
+        out = tmp_path / name
+        r = run_train(seg_args(labelled, out, max_steps=4, init_from=file, freeze_encoder_steps=freeze, **kw),
+                      nproc=2)
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+        runs[name] = train_losses(out), modelfile.load(modelfile.export(str(out)))[0].state_dict()
+    start = modelfile.load(file)[0].state_dict()
+    enc = [k for k in start if k.startswith(("patch_embed", "cls_token", "blocks."))]
+    head = [k for k in runs["all"][1] if k not in start]
+    assert enc and head
+    assert all(torch.equal(runs["all"][1][k], start[k]) for k in enc)
+    (all_loss, _), (half_loss, half_sd) = runs["all"], runs["half"]
+    assert [half_loss[s] for s in (0, 1, 2)] == [all_loss[s] for s in (0, 1, 2)] and half_loss[3] != all_loss[3]
+    assert not all(torch.equal(half_sd[k], start[k]) for k in enc)
+    fsdp = runs["half_fsdp2"][0]
+    assert all(close(fsdp[s], half_loss[s], 1e-4) for s in half_loss), (fsdp, half_loss)
+
 
 @pytest.mark.slow
 def test_starts_from_a_pretrained_model_file_and_its_out_dir_alike(labelled, tmp_path):

@@ -297,6 +297,7 @@ def test_synthetic_chunks_of_zero_is_one_line_and_leaves_no_store(tmp_path):
 
 # every key that is not a bool (configurator checks those by type), with a value that is wrong for it
 BAD = {"out_dir": "", "data_paths": [], "sample_weighting": "often", "max_open_stores": 0, "synthetic_shape": (0, 1, 1),
+       "freeze_encoder_steps": -1,
        "synthetic_chunks": (1, 1), "store_chunks": (128, 0, 128), "in_flight": 0, "read_threads": -1, "prefetch": 0,
        "min_live": 1.5,
        "read_retries": -1, "read_timeout_s": 0.0, "s3_endpoint": "localhost:9000", "crop": (16, 16), "patch": (0, 8, 8),
@@ -356,7 +357,8 @@ OPTIONS = {
                           ("--mask_ratio=1", "--mask_ratio"), ("--seg_head=mlp", "--seg_head"),
                           ("--seg_features=0", "--seg_features"), ("--device=tpu", "--device"),
                           ("--crop=16,16", "--crop"), ("--layer_decay=0", "--layer_decay"),
-                          ("--overlap=1", "--overlap"), ("--weight_decay=-1", "--weight_decay")],
+                          ("--overlap=1", "--overlap"), ("--weight_decay=-1", "--weight_decay"),
+                          ("--freeze=-1", "--freeze")],
                          {"out", "overwrite", "quick", "gpu", "flip"}),
     "plan": ([("--gpu=TPU", "--gpu"), ("--mfu=0", "--mfu"), ("--max_steps=0", "max_steps")], {"key"}),  # (--key=value:
     #        the config keys, each checked: test_every_config_key_is_checked_before_any_work)
