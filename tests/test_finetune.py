@@ -177,13 +177,14 @@ def test_every_strategy_fine_tunes_alike_with_layer_decay(labelled, tmp_path):
 def test_a_frozen_encoder_stays_the_pretrained_one_until_it_thaws_under_every_strategy(labelled, tmp_path):
     """freeze_encoder_steps (linear probing, then fine-tuning): frozen for all 4 steps, the fine-tuned encoder is the
     pretrained one bit for bit while its head has learnt; frozen for 2, the run is the all-frozen one's through the
-    frozen steps (the same losses) and then leaves it, its encoder moved; fsdp2 does as zero2 does (2 ranks each)."""
+    frozen steps (the same losses) and then leaves it, its encoder moved; zero3 and fsdp2 do as zero2 does (2 ranks each)."""
     import torch
     pre = tmp_path / "pre"
     assert run_train(small_args(labelled, pre, max_steps=6)).returncode == 0
     file = modelfile.export(str(pre), out=str(tmp_path / "pre.pt"))
     runs = {}
-    for name, freeze, kw in (("all", 4, {}), ("half", 2, {}), ("half_fsdp2", 2, {"strategy": "fsdp2"})):
+    for name, freeze, kw in (("all", 4, {}), ("half", 2, {}), ("half_zero3", 2, {"strategy": "zero3"}),
+                             ("half_fsdp2", 2, {"strategy": "fsdp2"})):
         out = tmp_path / name
         r = run_train(seg_args(labelled, out, max_steps=4, init_from=file, freeze_encoder_steps=freeze, **kw),
                       nproc=2)
@@ -197,8 +198,9 @@ def test_a_frozen_encoder_stays_the_pretrained_one_until_it_thaws_under_every_st
     (all_loss, _), (half_loss, half_sd) = runs["all"], runs["half"]
     assert [half_loss[s] for s in (0, 1, 2)] == [all_loss[s] for s in (0, 1, 2)] and half_loss[3] != all_loss[3]
     assert not all(torch.equal(half_sd[k], start[k]) for k in enc)
-    fsdp = runs["half_fsdp2"][0]
-    assert all(close(fsdp[s], half_loss[s], 1e-4) for s in half_loss), (fsdp, half_loss)
+    for name in ("half_zero3", "half_fsdp2"):
+        other = runs[name][0]
+        assert all(close(other[s], half_loss[s], 1e-4) for s in half_loss), (name, other, half_loss)
 
 
 @pytest.mark.slow
