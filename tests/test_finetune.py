@@ -177,7 +177,8 @@ def test_every_strategy_fine_tunes_alike_with_layer_decay(labelled, tmp_path):
 def test_a_frozen_encoder_stays_the_pretrained_one_until_it_thaws_under_every_strategy(labelled, tmp_path):
     """freeze_encoder_steps (linear probing, then fine-tuning): frozen for all 4 steps, the fine-tuned encoder is the
     pretrained one bit for bit while its head has learnt; frozen for 2, the run is the all-frozen one's through the
-    frozen steps (the same losses) and then leaves it, its encoder moved; zero3 and fsdp2 do as zero2 does (2 ranks each)."""
+    frozen steps (the same losses) and then leaves it, its encoder moved; zero3 and fsdp2 do as zero2 does (2 ranks
+    each)."""
     import torch
     pre = tmp_path / "pre"
     assert run_train(small_args(labelled, pre, max_steps=6)).returncode == 0
