@@ -49,10 +49,23 @@ def test_every_section_passes_on_cpu(tmp_path):
 
 def test_a_section_past_its_limit_costs_only_itself(tmp_path):
     # a section that runs past its limit is killed (its whole process group: the torchrun runs it started too) and
-    # gets its line from the runner; the sections after it still run
-    r = _run(tmp_path, "--only=env,memory,ops", "--limit_s=8")
+    # gets its line from the runner; the sections after it still run. The memory section is held still (SIGSTOP to
+    # its group) once its ranks are up, so that the limit decides, not how fast this machine runs it
+    p = subprocess.Popen([sys.executable, "-m", "bench.gpu", "--cpu-smoke", f"--out={tmp_path}",
+                          "--only=env,memory,ops", "--limit_s=8"], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    deadline, ranks = time.time() + 120, []
+    while not ranks and time.time() < deadline and p.poll() is None:
+        ranks = subprocess.run(["pgrep", "-f", "bench.plan _memory_worker"], capture_output=True,
+                               text=True).stdout.split()
+        time.sleep(0.05)
+    section = subprocess.run(["pgrep", "-f", f"bench.gpu --section=memory --out={tmp_path}"], capture_output=True,
+                             text=True).stdout.split()
+    assert ranks and section, p.communicate()
+    os.killpg(int(section[0]), signal.SIGSTOP)  # (its own group, its ranks in it: the runner starts it in a session)
+    stdout, _ = p.communicate(timeout=600)
     lines = {x["section"]: x for x in map(json.loads, open(tmp_path / "gpu_check.jsonl"))}
-    assert r.returncode == 1 and json.loads(r.stdout.strip().splitlines()[-1])["status"]["memory"] == "FAIL"
+    assert p.returncode == 1 and json.loads(stdout.strip().splitlines()[-1])["status"]["memory"] == "FAIL"
     assert not lines["memory"]["ok"] and "timed out after 8 s" in lines["memory"]["error"]
     left = subprocess.run(["pgrep", "-f", "bench.plan _memory_worker"], capture_output=True, text=True).stdout
     assert not left, f"the killed section's ranks outlived it: {left}"
