@@ -128,7 +128,7 @@ def train_unet(paths, a, seed):
 
 
 @torch.no_grad()
-def predict(kind, model, vol, crop, overlap=0.0, blend="gaussian"):
+def predict(kind, model, vol, crop, overlap=0.0):
     """Fault probability of every voxel of a whole normalised volume (numpy (I, X, T), each at least the crop): the
     U-Net in one pass; the ViT on windows of its crop, a batch at a time. With overlap 0 the windows tile the volume;
     with overlap > 0 they overlap by that fraction and are blended as scripts.predict blends them (infra/sliding.py:
@@ -140,7 +140,7 @@ def predict(kind, model, vol, crop, overlap=0.0, blend="gaussian"):
     from model import unpatchify
     model = model.to(DEVICE)
     starts = [sliding.window_starts(S, c, max(1, round(c * (1 - overlap)))) for S, c in zip(vol.shape, crop)]
-    w1 = [sliding.axis_weights(c, blend) for c in crop]  # (c,) per axis
+    w1 = [sliding.axis_weights(c) for c in crop]  # (c,) per axis: scripts.predict's default Gaussian
     w = torch.from_numpy(np.einsum("i,j,k->ijk", *w1)).float()  # (*crop): one window's weight
     norm = np.einsum("i,j,k->ijk", *(sliding.normaliser(S, o, wa) for S, o, wa in zip(vol.shape, starts, w1)))
     out = np.zeros(vol.shape, dtype=np.float64)  # sum_k w_k p_k, then / sum_k w_k
@@ -395,7 +395,8 @@ def main(argv):
                       "pretrain_batch": a.pretrain_batch, "pretrain_blr": a.pretrain_blr, "mask_ratio": a.mask_ratio,
                       "finetune_steps": a.finetune_steps, "batch": a.batch, "lr": a.lr, "pos_weight": a.pos_weight,
                       "seg_head": a.seg_head, "seg_features": a.seg_features, "layer_decay": a.layer_decay,
-                      "weight_decay": a.weight_decay, "freeze": a.freeze, "flip": a.flip, "overlap": a.overlap, "device": DEVICE,
+                      "weight_decay": a.weight_decay, "freeze": a.freeze, "flip": a.flip, "overlap": a.overlap,
+                      "device": DEVICE,
                       "seconds": round(time.time() - t0, 1), "out": root}))
     return 0
 
