@@ -324,7 +324,10 @@ def main(argv):
     train_py([*common, f"--data_paths={unlabelled}", f"--out_dir={pre}", f"--max_steps={a.pretrain_steps}",
               f"--micro_batch={a.pretrain_batch}", f"--blr={a.pretrain_blr}", f"--mask_ratio={a.mask_ratio}",
               f"--warmup_steps={max(1, a.pretrain_steps // 30)}", f"--val_frac={val_frac}", "--eval_samples=32",
-              f"--eval_interval={max(1, a.pretrain_steps // 6)}", f"--seed={a.seed}"], print)
+              f"--eval_interval={max(1, a.pretrain_steps // 6)}", f"--seed={a.seed}",
+              # a checkpoint at each evaluation: a table stopped during its pretraining (the longest part) goes on
+              # from the last one when run again on the same --out
+              f"--ckpt_interval={max(1, a.pretrain_steps // 6)}"], print)
     curve, floor = pretraining_record(pre)
     mae_val = curve[max(curve)]
     print(f"pretraining: validation masked loss {mae_val:.4f}, floor {floor:.4f} (kriging on the same patches): "
