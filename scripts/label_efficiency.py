@@ -22,9 +22,11 @@ pretrained - the better of the two scratch baselines (by its mean), se = the sta
 over seeds. The JSON line's `by_labels` holds, per label count, the means over seeds.
 --seed shifts every seed (volumes, inits, crops) for a fresh draw of the whole table; --flip mirrors every fine-tuning's
 crops at random along inline and crossline (train.py's flip_crops, the U-Net's sampler alike); --freeze=N trains
-the pretrained ViT's head alone for N steps before its encoder (LP-FT; a random encoder gains nothing from it, so the
-twin from scratch trains whole from the first step). The ViTs' test windows overlap by --overlap (0.5) and are
-blended as scripts.predict blends them; --overlap=0 tiles them, as every table before the option did.
+the pretrained ViT's head alone for N steps before its encoder (LP-FT). The twin from scratch trains whole from the
+first step unless --freeze_twin, which freezes its random encoder for the same N steps: the control that tells what
+the pretrained features add to a head that learns alone beside them, from what freezing does by itself. The ViTs'
+test windows overlap by --overlap (0.5) and are blended as scripts.predict blends them; --overlap=0 tiles them, as
+every table before the option did.
 """
 import argparse
 import json
@@ -187,6 +189,8 @@ def check_options(a):
     configurator.need(0 < a.mask_ratio < 1, f"--mask_ratio={a.mask_ratio} must be in (0, 1)")
     configurator.need(0 <= a.overlap < 1, f"--overlap={a.overlap}: the fraction of a window its neighbour overlaps, "
                       "in [0, 1)")
+    configurator.need(a.freeze > 0 or not a.freeze_twin, "--freeze_twin freezes the twin's encoder for --freeze steps: "
+                      "give --freeze=N too")
     configurator.need(0 < a.layer_decay <= 1, f"--layer_decay={a.layer_decay} must be in (0, 1] (1: off)")
     configurator.need(a.model_size in SIZES, f"--model_size={a.model_size!r}: one of {list(SIZES)}")
     configurator.need(a.seg_head in ("unetr", "linear"), f"--seg_head={a.seg_head!r}: unetr or linear")
@@ -215,7 +219,7 @@ def axes(a, name):
 # on from)
 SETTINGS = ("shape", "crop", "patch", "model_size", "unlabelled", "test", "pretrain_steps", "pretrain_batch",
             "pretrain_blr", "mask_ratio", "finetune_steps", "batch", "lr", "warmup", "pos_weight", "seg_head",
-            "seg_features", "layer_decay", "weight_decay", "freeze", "flip", "seed")
+            "seg_features", "layer_decay", "weight_decay", "freeze", "freeze_twin", "flip", "seed")
 
 
 def claim_folder(a):
@@ -230,6 +234,8 @@ def claim_folder(a):
     if os.path.isdir(a.out) and os.listdir(a.out):
         found = outputs.inspect_file(record, lambda p: json.load(open(p)), "a record of label_efficiency")
         found = found if isinstance(found, dict) else outputs.Foreign("a folder label_efficiency did not make")
+        if isinstance(found, dict):
+            found.setdefault("freeze_twin", False)  # (a folder from before the option: its twin trained whole)
     if outputs.target(a.out, "label_efficiency's stores and runs", found, settings, a.overwrite) == "replace":
         shutil.rmtree(a.out)
     os.makedirs(a.out, exist_ok=True)
@@ -289,6 +295,8 @@ def main(argv):
                     "weight matrices and kernels (MAE's fine-tuning: 0.05)")
     ap.add_argument("--freeze", type=int, default=0, help="the pretrained ViT's encoder frozen for the first steps, "
                     "its head alone learning (train.py's freeze_encoder_steps: LP-FT); the twin from scratch is not")
+    ap.add_argument("--freeze_twin", action="store_true", help="the twin's random encoder frozen for the same --freeze "
+                    "steps too: the control for what the pretrained features add")
     ap.add_argument("--flip", action="store_true", help="every fine-tuning's crops mirrored at random along inline "
                     "and crossline (train.py's flip_crops; the U-Net's too)")
     ap.add_argument("--overlap", type=float, default=0.5, help="the ViTs' test windows: the fraction of a window its "
@@ -351,7 +359,8 @@ def main(argv):
                               f"--seed={seed}", f"--init_from={init}", f"--weight_decay={a.weight_decay}",
                               f"--seg_head={a.seg_head}", f"--seg_features={a.seg_features}",
                               f"--layer_decay={a.layer_decay}", f"--flip_crops={a.flip}",
-                              f"--freeze_encoder_steps={a.freeze if init else 0}"], lambda line: None)
+                              f"--freeze_encoder_steps={a.freeze if init or a.freeze_twin else 0}"],
+                             lambda line: None)
                     model, _ = modelfile.load(modelfile.export(out))
                     prob = np.stack([predict("vit", model, v, a.crop, a.overlap) for v, _, _ in test_vols])
                     results[n][kind].append(scores(prob, np.stack([f for _, f, _ in test_vols])))
@@ -383,7 +392,9 @@ def main(argv):
         rows.append([n, *(f"{mean[k]['iou']:.3f} / {mean[k]['dice']:.3f} / {mean[k]['ap']:.3f}"
                           for k in ("pretrained", "scratch", "unet")), pm("scratch"), pm("unet")])
     print(f"\nfault segmentation on {a.test} held-out volumes of {shape}; IoU / Dice / AP, means over {a.seeds} "
-          f"seed(s); {a.finetune_steps} fine-tuning steps of {a.batch} crops of {a.crop}, ViT head {a.seg_head}")
+          f"seed(s); {a.finetune_steps} fine-tuning steps of {a.batch} crops of {a.crop}, ViT head {a.seg_head}"
+          + (f"; the pretrained encoder frozen {a.freeze} steps" if a.freeze else "")
+          + (", the twin's random one too" if a.freeze_twin else ""))
     print(f"pretraining: {a.pretrain_steps} steps, validation masked loss {mae_val:.4f} against the floor {floor:.4f}"
           + ("" if mae_val < floor else "  ** ABOVE THE FLOOR: the pretrained encoder has learnt less than linear "
                                         "interpolation **"))
@@ -398,7 +409,8 @@ def main(argv):
                       "pretrain_batch": a.pretrain_batch, "pretrain_blr": a.pretrain_blr, "mask_ratio": a.mask_ratio,
                       "finetune_steps": a.finetune_steps, "batch": a.batch, "lr": a.lr, "pos_weight": a.pos_weight,
                       "seg_head": a.seg_head, "seg_features": a.seg_features, "layer_decay": a.layer_decay,
-                      "weight_decay": a.weight_decay, "freeze": a.freeze, "flip": a.flip, "overlap": a.overlap,
+                      "weight_decay": a.weight_decay, "freeze": a.freeze, "freeze_twin": a.freeze_twin, "flip": a.flip,
+                      "overlap": a.overlap,
                       "device": DEVICE,
                       "seconds": round(time.time() - t0, 1), "out": root}))
     return 0

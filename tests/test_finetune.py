@@ -358,15 +358,21 @@ def test_the_label_efficiency_windows_blend_as_their_definition_says():
 
 
 @pytest.mark.slow
-def test_the_label_efficiency_table_runs_small():
+def test_the_label_efficiency_table_runs_small(tmp_path):
     """`python -m scripts.label_efficiency --quick`: the three models on the same draws, the table, and its JSON line
     last with by_labels (IoU means per model, the paired difference to the better scratch baseline and its standard
-    error). Not thresholded: which wins is a measurement (README)."""
+    error). Not thresholded: which wins is a measurement (README). With --freeze over all its steps and --freeze_twin
+    the pretrained ViT's encoder is the pretraining's bit for bit, and the twin's is its seed's fresh init."""
+    import glob
     import subprocess
     import sys
 
+    import torch
+
     from conftest import ROOT, job_env
-    r = subprocess.run([sys.executable, "-m", "scripts.label_efficiency", "--quick", "--flip"], cwd=ROOT, env=job_env(),
+    from model import build_model
+    r = subprocess.run([sys.executable, "-m", "scripts.label_efficiency", "--quick", "--flip", "--freeze=10",
+                        "--freeze_twin", f"--out={tmp_path / 'le'}"], cwd=ROOT, env=job_env(),
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -381,6 +387,17 @@ def test_the_label_efficiency_table_runs_small():
     assert 0 < pre["val_floor"] < 1.5 and pre["below_floor"] == (pre["val_loss"] < pre["val_floor"])
     assert ("ABOVE THE FLOOR" in r.stdout) == (not pre["below_floor"])
     assert out["crop"] == [16, 16, 32] and out["patch"] == [2, 2, 16] and out["seg_head"] == "unetr" and out["flip"]
+    assert out["freeze"] == 10 and out["freeze_twin"]
+    last = lambda run: sorted(glob.glob(str(tmp_path / "le" / run / "model_step_*.pt")))[-1]  # noqa: E731
+    pre = modelfile.load(last("pretrained"))[0].state_dict()
+    twin, meta = modelfile.load(last("scratch_n1_s0"))
+    torch.manual_seed(meta["config"]["seed"])
+    fresh = build_model(meta["config"], train=True).state_dict()
+    enc = [k for k in pre if k.startswith(("patch_embed", "cls_token", "blocks."))]
+    assert enc and all(torch.equal(modelfile.load(last("pretrained_n1_s0"))[0].state_dict()[k], pre[k]) for k in enc)
+    assert all(torch.equal(twin.state_dict()[k], fresh[k]) for k in enc)
+    head = [k for k in fresh if k.startswith("head.")]  # (the head learnt)
+    assert head and not all(torch.equal(twin.state_dict()[k], fresh[k]) for k in head)
 
 
 def test_the_quickstart_store_keeps_its_amplitude_and_carries_its_fault_labels(tmp_path):
