@@ -294,7 +294,7 @@ def main(argv):
     ap.add_argument("--weight_decay", type=float, default=0.05, help="every fine-tuning's AdamW weight decay, on "
                     "weight matrices and kernels (MAE's fine-tuning: 0.05)")
     ap.add_argument("--freeze", type=int, default=0, help="the pretrained ViT's encoder frozen for the first steps, "
-                    "its head alone learning (train.py's freeze_encoder_steps: LP-FT); the twin from scratch is not")
+                    "its head alone learning (train.py's freeze_encoder_steps: LP-FT); the twin's too with --freeze_twin")
     ap.add_argument("--freeze_twin", action="store_true", help="the twin's random encoder frozen for the same --freeze "
                     "steps too: the control for what the pretrained features add")
     ap.add_argument("--flip", action="store_true", help="every fine-tuning's crops mirrored at random along inline "
@@ -410,8 +410,7 @@ def main(argv):
                       "finetune_steps": a.finetune_steps, "batch": a.batch, "lr": a.lr, "pos_weight": a.pos_weight,
                       "seg_head": a.seg_head, "seg_features": a.seg_features, "layer_decay": a.layer_decay,
                       "weight_decay": a.weight_decay, "freeze": a.freeze, "freeze_twin": a.freeze_twin, "flip": a.flip,
-                      "overlap": a.overlap,
-                      "device": DEVICE,
+                      "overlap": a.overlap, "device": DEVICE,
                       "seconds": round(time.time() - t0, 1), "out": root}))
     return 0
 
