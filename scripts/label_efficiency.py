@@ -21,8 +21,9 @@ every voxel. Differences are paired (the three met the same volumes, crops and t
 pretrained - the better of the two scratch baselines (by its mean), se = the standard error of that difference
 over seeds. The JSON line's `by_labels` holds, per label count, the means over seeds.
 --seed shifts every seed (volumes, inits, crops) for a fresh draw of the whole table; --flip mirrors every fine-tuning's
-crops at random along inline and crossline (train.py's flip_crops, the U-Net's sampler alike); --freeze=N trains
-the pretrained ViT's head alone for N steps before its encoder (LP-FT). The twin from scratch trains whole from the
+crops at random along inline and crossline (train.py's flip_crops, the U-Net's sampler alike); --snr_db=X puts
+every volume's noise at X dB instead of the recipe's draw (the same reflectors, faults and noise pattern, scaled);
+--freeze=N trains the pretrained ViT's head alone for N steps before its encoder (LP-FT). The twin from scratch trains whole from the
 first step unless --freeze_twin, which freezes its random encoder for the same N steps: the control that tells what
 the pretrained features add to a head that learns alone beside them, from what freezing does by itself. The ViTs'
 test windows overlap by --overlap (0.5) and are blended as scripts.predict blends them; --overlap=0 tiles them, as
@@ -51,13 +52,14 @@ from model import SIZES, configure_optimizers, seg_loss
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def stores(root, name, n, shape, seed):
-    """n FaultSeg3D-style volumes (seeds seed .. seed + n - 1) as MDIO stores with fault labels; their paths."""
+def stores(root, name, n, shape, seed, snr_db=None):
+    """n FaultSeg3D-style volumes (seeds seed .. seed + n - 1; noise at snr_db, None: the recipe's draw of 3-8 dB)
+    as MDIO stores with fault labels; their paths."""
     out = []
     for i in range(n):
         path = os.path.join(root, f"{name}_{seed + i}.mdio")
         if not os.path.exists(path):
-            vol, fault, _ = synthetic.faultseg_volume(shape, seed=seed + i)
+            vol, fault, _ = synthetic.faultseg_volume(shape, seed=seed + i, snr_db=snr_db)
             synthetic.write_mdio(path, vol, chunks=tuple(min(32, s) for s in shape), fault=fault.astype(bool))
         out.append(path)
     return out
@@ -189,6 +191,8 @@ def check_options(a):
     configurator.need(0 < a.mask_ratio < 1, f"--mask_ratio={a.mask_ratio} must be in (0, 1)")
     configurator.need(0 <= a.overlap < 1, f"--overlap={a.overlap}: the fraction of a window its neighbour overlaps, "
                       "in [0, 1)")
+    configurator.need(a.snr_db is None or math.isfinite(a.snr_db), f"--snr_db={a.snr_db} must be a finite number "
+                      "of dB (or left out: the recipe's draw)")
     configurator.need(a.freeze > 0 or not a.freeze_twin, "--freeze_twin freezes the twin's encoder for --freeze steps: "
                       "give --freeze=N too")
     configurator.need(0 < a.layer_decay <= 1, f"--layer_decay={a.layer_decay} must be in (0, 1] (1: off)")
@@ -219,7 +223,7 @@ def axes(a, name):
 # on from)
 SETTINGS = ("shape", "crop", "patch", "model_size", "unlabelled", "test", "pretrain_steps", "pretrain_batch",
             "pretrain_blr", "mask_ratio", "finetune_steps", "batch", "lr", "warmup", "pos_weight", "seg_head",
-            "seg_features", "layer_decay", "weight_decay", "freeze", "freeze_twin", "flip", "seed")
+            "seg_features", "layer_decay", "weight_decay", "freeze", "freeze_twin", "flip", "snr_db", "seed")
 
 
 def claim_folder(a):
@@ -236,6 +240,7 @@ def claim_folder(a):
         found = found if isinstance(found, dict) else outputs.Foreign("a folder label_efficiency did not make")
         if isinstance(found, dict):
             found.setdefault("freeze_twin", False)  # (a folder from before the option: its twin trained whole)
+            found.setdefault("snr_db", None)  # (before that one: the recipe's noise)
     if outputs.target(a.out, "label_efficiency's stores and runs", found, settings, a.overwrite) == "replace":
         shutil.rmtree(a.out)
     os.makedirs(a.out, exist_ok=True)
@@ -299,6 +304,8 @@ def main(argv):
                     "steps too: the control for what the pretrained features add")
     ap.add_argument("--flip", action="store_true", help="every fine-tuning's crops mirrored at random along inline "
                     "and crossline (train.py's flip_crops; the U-Net's too)")
+    ap.add_argument("--snr_db", type=float, default=None, help="every volume's noise (unlabelled, labelled, test) at "
+                    "this signal-to-noise ratio in dB; default: the recipe's, drawn in 3-8 dB per volume")
     ap.add_argument("--overlap", type=float, default=0.5, help="the ViTs' test windows: the fraction of a window its "
                     "neighbour overlaps, blended as scripts.predict blends them (0: tiles side by side)")
     ap.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu or cuda")
@@ -318,8 +325,8 @@ def main(argv):
     root = claim_folder(a) if a.out else tempfile.mkdtemp(prefix="label_efficiency_")
     shape, t0 = (a.shape,) * 3, time.time()
     base = 100_000 + 1000 * a.seed  # volume seeds: unlabelled, test and each draw's labelled ones never overlap
-    unlabelled = stores(root, "unlabelled", a.unlabelled, shape, base)
-    test_vols = [synthetic.faultseg_volume(shape, seed=base + 500 + i) for i in range(a.test)]
+    unlabelled = stores(root, "unlabelled", a.unlabelled, shape, base, a.snr_db)
+    test_vols = [synthetic.faultseg_volume(shape, seed=base + 500 + i, snr_db=a.snr_db) for i in range(a.test)]
     crop, patch = ",".join(map(str, a.crop)), ",".join(map(str, a.patch))
     common = [f"--crop=({crop})", f"--patch=({patch})", f"--model_size={a.model_size}", "--figures=False",
               f"--log_interval={10 ** 6}", f"--ckpt_interval={10 ** 6}", "--keep_ckpts=1", "--norm_pix_loss=True"]
@@ -350,7 +357,8 @@ def main(argv):
         for n in counts:
             for s in range(a.seeds):
                 seed = a.seed * 1000 + 17 * s + n
-                labelled = stores(root, f"labelled_s{s}", max(counts), shape, base + 2000 + 100 * s)[:n]
+                labelled = stores(root, f"labelled_s{s}", max(counts), shape, base + 2000 + 100 * s,
+                                  a.snr_db)[:n]
                 for kind, init in (("pretrained", pre_file), ("scratch", "")):
                     out = os.path.join(root, f"{kind}_n{n}_s{s}")
                     train_py([*common, "--task=segment", f"--data_paths={labelled}", f"--out_dir={out}",
@@ -394,7 +402,8 @@ def main(argv):
     print(f"\nfault segmentation on {a.test} held-out volumes of {shape}; IoU / Dice / AP, means over {a.seeds} "
           f"seed(s); {a.finetune_steps} fine-tuning steps of {a.batch} crops of {a.crop}, ViT head {a.seg_head}"
           + (f"; the pretrained encoder frozen {a.freeze} steps" if a.freeze else "")
-          + (", the twin's random one too" if a.freeze_twin else ""))
+          + (", the twin's random one too" if a.freeze_twin else "")
+          + ("" if a.snr_db is None else f"; every volume's noise at {a.snr_db:g} dB"))
     print(f"pretraining: {a.pretrain_steps} steps, validation masked loss {mae_val:.4f} against the floor {floor:.4f}"
           + ("" if mae_val < floor else "  ** ABOVE THE FLOOR: the pretrained encoder has learnt less than linear "
                                         "interpolation **"))
@@ -410,7 +419,7 @@ def main(argv):
                       "finetune_steps": a.finetune_steps, "batch": a.batch, "lr": a.lr, "pos_weight": a.pos_weight,
                       "seg_head": a.seg_head, "seg_features": a.seg_features, "layer_decay": a.layer_decay,
                       "weight_decay": a.weight_decay, "freeze": a.freeze, "freeze_twin": a.freeze_twin, "flip": a.flip,
-                      "overlap": a.overlap, "device": DEVICE,
+                      "snr_db": a.snr_db, "overlap": a.overlap, "device": DEVICE,
                       "seconds": round(time.time() - t0, 1), "out": root}))
     return 0
 

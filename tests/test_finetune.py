@@ -372,7 +372,7 @@ def test_the_label_efficiency_table_runs_small(tmp_path):
     from conftest import ROOT, job_env
     from model import build_model
     r = subprocess.run([sys.executable, "-m", "scripts.label_efficiency", "--quick", "--flip", "--freeze=10",
-                        "--freeze_twin", f"--out={tmp_path / 'le'}"], cwd=ROOT, env=job_env(),
+                        "--freeze_twin", "--snr_db=0", f"--out={tmp_path / 'le'}"], cwd=ROOT, env=job_env(),
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -387,7 +387,11 @@ def test_the_label_efficiency_table_runs_small(tmp_path):
     assert 0 < pre["val_floor"] < 1.5 and pre["below_floor"] == (pre["val_loss"] < pre["val_floor"])
     assert ("ABOVE THE FLOOR" in r.stdout) == (not pre["below_floor"])
     assert out["crop"] == [16, 16, 32] and out["patch"] == [2, 2, 16] and out["seg_head"] == "unetr" and out["flip"]
-    assert out["freeze"] == 10 and out["freeze_twin"]
+    assert out["freeze"] == 10 and out["freeze_twin"] and out["snr_db"] == 0
+    from infra import reader  # --snr_db: the recipe's volume with its noise at 0 dB, bit for bit
+    vol = reader.Volume(str(tmp_path / "le" / "unlabelled_100000.mdio")).read((0, 0, 0), (32,) * 3, normalize=False)
+    assert np.array_equal(vol, synthetic.faultseg_volume((32,) * 3, seed=100000, snr_db=0)[0])
+    assert not np.allclose(vol, synthetic.faultseg_volume((32,) * 3, seed=100000)[0], atol=1e-3)
     last = lambda run: sorted(glob.glob(str(tmp_path / "le" / run / "model_step_*.pt")))[-1]  # noqa: E731
     pre = modelfile.load(last("pretrained"))[0].state_dict()
     twin, meta = modelfile.load(last("scratch_n1_s0"))

@@ -358,7 +358,8 @@ OPTIONS = {
                           ("--seg_features=0", "--seg_features"), ("--device=tpu", "--device"),
                           ("--crop=16,16", "--crop"), ("--layer_decay=0", "--layer_decay"),
                           ("--overlap=1", "--overlap"), ("--weight_decay=-1", "--weight_decay"),
-                          ("--freeze=-1", "--freeze"), ("--freeze_twin", "--freeze_twin")],
+                          ("--freeze=-1", "--freeze"), ("--freeze_twin", "--freeze_twin"),
+                          ("--snr_db=nan", "--snr_db")],
                          {"out", "overwrite", "quick", "gpu", "flip"}),
     "plan": ([("--gpu=TPU", "--gpu"), ("--mfu=0", "--mfu"), ("--max_steps=0", "max_steps")], {"key"}),  # (--key=value:
     #        the config keys, each checked: test_every_config_key_is_checked_before_any_work)
