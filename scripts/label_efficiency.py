@@ -23,11 +23,11 @@ over seeds. The JSON line's `by_labels` holds, per label count, the means over s
 --seed shifts every seed (volumes, inits, crops) for a fresh draw of the whole table; --flip mirrors every fine-tuning's
 crops at random along inline and crossline (train.py's flip_crops, the U-Net's sampler alike); --snr_db=X puts
 every volume's noise at X dB instead of the recipe's draw (the same reflectors, faults and noise pattern, scaled);
---freeze=N trains the pretrained ViT's head alone for N steps before its encoder (LP-FT). The twin from scratch trains whole from the
-first step unless --freeze_twin, which freezes its random encoder for the same N steps: the control that tells what
-the pretrained features add to a head that learns alone beside them, from what freezing does by itself. The ViTs'
-test windows overlap by --overlap (0.5) and are blended as scripts.predict blends them; --overlap=0 tiles them, as
-every table before the option did.
+--freeze=N trains the pretrained ViT's head alone for N steps before its encoder (LP-FT). The twin from scratch
+trains whole from the first step unless --freeze_twin, which freezes its random encoder for the same N steps: the
+control that tells what the pretrained features add to a head that learns alone beside them, from what freezing
+does by itself. The ViTs' test windows overlap by --overlap (0.5) and are blended as scripts.predict blends them;
+--overlap=0 tiles them, as every table before the option did.
 """
 import argparse
 import json
