@@ -11,23 +11,26 @@ as dense), written as an MDIO store with its `fault` labels. Once: train.py pret
 `unlabelled` volumes, their labels unused, with the configs' loss (norm_pix_loss) and its own batch, lr and steps;
 its validation reports the masked loss beside the floor a predictor that learns nothing scores on the same patches
 (infra/floor.py: kriging), and the table flags a pretraining that did not get below it. Then for each label count n
-and each seed s (the seed draws the n labelled volumes, the crops and the inits), three fine-tunings on the same n
-volumes with the same steps, batch, loss (voxel BCE, pos_weight) and lr schedule (train.get_lr):
-  pretrained   train.py task="segment", init_from = the pretrained run (its encoder; the head, --seg_head, is new)
-  scratch      the same ViT and head, from a fresh init
-  unet         a 3D U-Net (two poolings) on the same crops (data.Sampler with label_var: the same stream)
+and each seed s (the seed draws the n labelled volumes, the crops and the inits), three fine-tunings (four with
+--freeze_twin) on the same n volumes with the same steps, batch, loss (voxel BCE, pos_weight) and lr schedule:
+  pretrained     train.py task="segment", init_from = the pretrained run (its encoder; the head, --seg_head, is new)
+  scratch        the same ViT and head, from a fresh init
+  scratch_whole  with --freeze_twin (which freezes `scratch`'s encoder as the pretrained one's): the twin trained whole
+  unet           a 3D U-Net (two poolings) on the same crops (data.Sampler with label_var: the same stream)
 Each is scored on `test` held-out volumes, whole: fault IoU and Dice at probability 0.5 and average precision over
-every voxel. Differences are paired (the three met the same volumes, crops and test set within a seed): diff =
-pretrained - the better of the two scratch baselines (by its mean), se = the standard error of that difference
-over seeds. The JSON line's `by_labels` holds, per label count, the means over seeds.
+every voxel. Differences are paired (the models met the same volumes, crops and test set within a seed): diff =
+pretrained - the best of the baselines (by its mean), se = the standard error of that difference over seeds; `won`:
+ahead of every baseline by more than 2 standard errors. The JSON line's `by_labels` holds, per label count, the
+means over seeds.
 --seed shifts every seed (volumes, inits, crops) for a fresh draw of the whole table; --flip mirrors every fine-tuning's
 crops at random along inline and crossline (train.py's flip_crops, the U-Net's sampler alike); --snr_db=X puts
 every volume's noise at X dB instead of the recipe's draw (the same reflectors, faults and noise pattern, scaled);
 --freeze=N trains the pretrained ViT's head alone for N steps before its encoder (LP-FT). The twin from scratch
-trains whole from the first step unless --freeze_twin, which freezes its random encoder for the same N steps: the
-control that tells what the pretrained features add to a head that learns alone beside them, from what freezing
-does by itself. The ViTs' test windows overlap by --overlap (0.5) and are blended as scripts.predict blends them;
---overlap=0 tiles them, as every table before the option did.
+trains whole from the first step; with --freeze_twin its random encoder is frozen for the same N steps (`scratch`)
+and a second twin trains whole (`scratch_whole`): the control that tells what the pretrained features add to a head
+that learns alone beside them, from what freezing does by itself, and the better of the two twins to beat. The ViTs'
+test windows overlap by --overlap (0.5) and are blended as scripts.predict blends them; --overlap=0 tiles them, as
+every table before the option did.
 """
 import argparse
 import json
@@ -301,7 +304,7 @@ def main(argv):
     ap.add_argument("--freeze", type=int, default=0, help="the pretrained ViT's encoder frozen for the first steps, "
                     "its head alone learning (train.py's freeze_encoder_steps: LP-FT); the twin's too with --freeze_twin")
     ap.add_argument("--freeze_twin", action="store_true", help="the twin's random encoder frozen for the same --freeze "
-                    "steps too: the control for what the pretrained features add")
+                    "steps too (the control for what the pretrained features add), beside a twin trained whole")
     ap.add_argument("--flip", action="store_true", help="every fine-tuning's crops mirrored at random along inline "
                     "and crossline (train.py's flip_crops; the U-Net's too)")
     ap.add_argument("--snr_db", type=float, default=None, help="every volume's noise (unlabelled, labelled, test) at "
@@ -350,16 +353,22 @@ def main(argv):
              "linear interpolation; its encoder is not worth fine-tuning"), flush=True)
     pre_file = modelfile.export(pre)  # once: every pretrained fine-tuning starts from this file
     peak = a.lr * 256 / a.batch  # blr of train.py's rule lr = blr x batch / 256
-    results = {n: {k: [] for k in ("pretrained", "scratch", "unet")} for n in counts}
+    # the ViT runs: (kind, init, steps its encoder is frozen); with --freeze_twin the twin is fine-tuned twice, its
+    # random encoder frozen as the pretrained one is (scratch: the control for freezing) and trained whole from the
+    # first step (scratch_whole), so that the pretrained encoder is measured against the better of the two
+    vits = [("pretrained", pre_file, a.freeze), ("scratch", "", a.freeze if a.freeze_twin else 0)]
+    vits += [("scratch_whole", "", 0)] if a.freeze_twin else []
+    kinds = [k for k, _, _ in vits] + ["unet"]
+    results = {n: {k: [] for k in kinds} for n in counts}
     # progress on stderr (infra/progress.py): the table's fine-tuning runs done, of label counts x seeds x the
-    # three kinds, and when the last will be (each run is minutes; the table, hours)
-    with Progress(total=len(counts) * a.seeds * 3, desc="fine-tuning runs", unit="run") as bar:
+    # models, and when the last will be (each run is minutes; the table, hours)
+    with Progress(total=len(counts) * a.seeds * len(kinds), desc="fine-tuning runs", unit="run") as bar:
         for n in counts:
             for s in range(a.seeds):
                 seed = a.seed * 1000 + 17 * s + n
                 labelled = stores(root, f"labelled_s{s}", max(counts), shape, base + 2000 + 100 * s,
                                   a.snr_db)[:n]
-                for kind, init in (("pretrained", pre_file), ("scratch", "")):
+                for kind, init, frozen in vits:
                     out = os.path.join(root, f"{kind}_n{n}_s{s}")
                     train_py([*common, "--task=segment", f"--data_paths={labelled}", f"--out_dir={out}",
                               f"--micro_batch={a.batch}", "--val_frac=0.0", f"--max_steps={a.finetune_steps}",
@@ -367,7 +376,7 @@ def main(argv):
                               f"--seed={seed}", f"--init_from={init}", f"--weight_decay={a.weight_decay}",
                               f"--seg_head={a.seg_head}", f"--seg_features={a.seg_features}",
                               f"--layer_decay={a.layer_decay}", f"--flip_crops={a.flip}",
-                              f"--freeze_encoder_steps={a.freeze if init or a.freeze_twin else 0}"],
+                              f"--freeze_encoder_steps={frozen}"],
                              lambda line: None)
                     model, _ = modelfile.load(modelfile.export(out))
                     prob = np.stack([predict("vit", model, v, a.crop, a.overlap) for v, _, _ in test_vols])
@@ -379,26 +388,24 @@ def main(argv):
                 bar.update()
                 bar.write(f"labels {n} seed {s}: " + ", ".join(f"{k} IoU {v[-1]['iou']:.3f}"
                                                                 for k, v in results[n].items()))
-    by_labels, rows = {}, []
+    by_labels, rows, baselines = {}, [], kinds[1:]
     for n in counts:
         r = results[n]
         mean = {k: {m: float(np.mean([x[m] for x in v])) for m in ("iou", "dice", "ap")} for k, v in r.items()}
-        row = {"pretrained": round(mean["pretrained"]["iou"], 4), "scratch": round(mean["scratch"]["iou"], 4),
-               "unet": round(mean["unet"]["iou"], 4)}
-        for other in ("scratch", "unet"):  # paired by seed: the same volumes, crops and test set
+        row = {k: round(mean[k]["iou"], 4) for k in kinds}
+        for other in baselines:  # paired by seed: the same volumes, crops and test set
             d = np.array([p["iou"] - b["iou"] for p, b in zip(r["pretrained"], r[other])])
             row[f"diff_{other}"] = round(float(d.mean()), 4)
             row[f"se_{other}"] = round(float(d.std(ddof=1) / math.sqrt(len(d))), 4) if len(d) > 1 else None
-        better = max(("scratch", "unet"), key=lambda k: mean[k]["iou"])
+        better = max(baselines, key=lambda k: mean[k]["iou"])
         row.update(diff=row[f"diff_{better}"], se=row[f"se_{better}"], better_scratch=better,
                    dice={k: round(v["dice"], 4) for k, v in mean.items()},
                    ap={k: round(v["ap"], 4) for k, v in mean.items()},
-                   won=all(row[f"se_{o}"] is not None and row[f"diff_{o}"] > 2 * row[f"se_{o}"]
-                           for o in ("scratch", "unet")))
+                   won=all(row[f"se_{o}"] is not None and row[f"diff_{o}"] > 2 * row[f"se_{o}"] for o in baselines))
         by_labels[n] = row
         pm = lambda o: f"{row[f'diff_{o}']:+.3f}" + ("" if row[f"se_{o}"] is None else f" ± {row[f'se_{o}']:.3f}")  # noqa
-        rows.append([n, *(f"{mean[k]['iou']:.3f} / {mean[k]['dice']:.3f} / {mean[k]['ap']:.3f}"
-                          for k in ("pretrained", "scratch", "unet")), pm("scratch"), pm("unet")])
+        rows.append([n, *(f"{mean[k]['iou']:.3f} / {mean[k]['dice']:.3f} / {mean[k]['ap']:.3f}" for k in kinds),
+                     *(pm(o) for o in baselines)])
     print(f"\nfault segmentation on {a.test} held-out volumes of {shape}; IoU / Dice / AP, means over {a.seeds} "
           f"seed(s); {a.finetune_steps} fine-tuning steps of {a.batch} crops of {a.crop}, ViT head {a.seg_head}"
           + (f"; the pretrained encoder frozen {a.freeze} steps" if a.freeze else "")
@@ -407,8 +414,11 @@ def main(argv):
     print(f"pretraining: {a.pretrain_steps} steps, validation masked loss {mae_val:.4f} against the floor {floor:.4f}"
           + ("" if mae_val < floor else "  ** ABOVE THE FLOOR: the pretrained encoder has learnt less than linear "
                                         "interpolation **"))
-    table(rows, ["labelled volumes", "pretrained ViT", "ViT from scratch", "3D U-Net from scratch",
-                 "IoU pretrained - ViT scratch", "IoU pretrained - U-Net"])
+    names = {"pretrained": "pretrained ViT", "scratch": "ViT from scratch" + (", frozen" if a.freeze_twin else ""),
+             "scratch_whole": "ViT from scratch, trained whole", "unet": "3D U-Net from scratch"}
+    short = {"scratch": "ViT scratch" + (" frozen" if a.freeze_twin else ""), "scratch_whole": "ViT scratch whole",
+             "unet": "U-Net"}
+    table(rows, ["labelled volumes", *(names[k] for k in kinds), *(f"IoU pretrained - {short[o]}" for o in baselines)])
     print(json.dumps({"bench": "label_efficiency", "by_labels": by_labels, "seeds": a.seeds, "seed": a.seed,
                       "pretraining": {"val_loss": round(mae_val, 4), "val_floor": round(floor, 4),
                                       "below_floor": mae_val < floor,

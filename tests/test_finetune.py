@@ -359,10 +359,11 @@ def test_the_label_efficiency_windows_blend_as_their_definition_says():
 
 @pytest.mark.slow
 def test_the_label_efficiency_table_runs_small(tmp_path):
-    """`python -m scripts.label_efficiency --quick`: the three models on the same draws, the table, and its JSON line
-    last with by_labels (IoU means per model, the paired difference to the better scratch baseline and its standard
-    error). Not thresholded: which wins is a measurement (README). With --freeze over all its steps and --freeze_twin
-    the pretrained ViT's encoder is the pretraining's bit for bit, and the twin's is its seed's fresh init."""
+    """`python -m scripts.label_efficiency --quick`: the models on the same draws, the table, and its JSON line last
+    with by_labels (IoU means per model, the paired difference to each baseline and its standard error, the best
+    one's, and `won`). Not thresholded: which wins is a measurement (README). With --freeze over all its steps and
+    --freeze_twin the pretrained ViT's encoder is the pretraining's bit for bit, the frozen twin's is its seed's fresh
+    init, and the twin trained whole beside it has moved from that init."""
     import glob
     import subprocess
     import sys
@@ -378,11 +379,14 @@ def test_the_label_efficiency_table_runs_small(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["bench"] == "label_efficiency" and list(out["by_labels"]) == ["1"] and out["seeds"] == 2
     row = out["by_labels"]["1"]
-    assert all(0.0 <= row[k] <= 1.0 for k in ("pretrained", "scratch", "unet")) and row["se"] is not None
+    baselines = ("scratch", "scratch_whole", "unet")  # with --freeze_twin: the frozen twin and the twin trained whole
+    assert all(0.0 <= row[k] <= 1.0 for k in ("pretrained", *baselines)) and row["se"] is not None
     assert abs(row["diff"] - (row["pretrained"] - row[row["better_scratch"]])) < 2e-4  # paired means: linear
-    assert row[row["better_scratch"]] == max(row["scratch"], row["unet"])
-    assert abs(row["diff_unet"] - (row["pretrained"] - row["unet"])) < 2e-4 and row["se_scratch"] is not None
-    assert "3D U-Net from scratch" in r.stdout
+    assert row[row["better_scratch"]] == max(row[k] for k in baselines)
+    for k in baselines:
+        assert abs(row[f"diff_{k}"] - (row["pretrained"] - row[k])) < 2e-4 and row[f"se_{k}"] is not None
+    assert row["won"] == all(row[f"diff_{k}"] > 2 * row[f"se_{k}"] for k in baselines)
+    assert "3D U-Net from scratch" in r.stdout and "ViT from scratch, trained whole" in r.stdout
     pre = out["pretraining"]  # the MAE's validation loss beside its floor, and the flag when it is not below it
     assert 0 < pre["val_floor"] < 1.5 and pre["below_floor"] == (pre["val_loss"] < pre["val_floor"])
     assert ("ABOVE THE FLOOR" in r.stdout) == (not pre["below_floor"])
@@ -402,6 +406,8 @@ def test_the_label_efficiency_table_runs_small(tmp_path):
     assert all(torch.equal(twin.state_dict()[k], fresh[k]) for k in enc)
     head = [k for k in fresh if k.startswith("head.")]  # (the head learnt)
     assert head and not all(torch.equal(twin.state_dict()[k], fresh[k]) for k in head)
+    whole = modelfile.load(last("scratch_whole_n1_s0"))[0].state_dict()  # the other twin: the same init, all learnt
+    assert not any(torch.equal(whole[k], fresh[k]) for k in enc if k.startswith("blocks.") and k.endswith("weight"))
 
 
 def test_the_quickstart_store_keeps_its_amplitude_and_carries_its_fault_labels(tmp_path):
