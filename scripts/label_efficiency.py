@@ -257,12 +257,16 @@ def claim_folder(a):
 # 16 at blr 4.8e-2 (lr 3e-3), 3,000 steps: about 8 minutes of the 2-core CPU's time.
 QUICK = dict(labels="1", seeds=2, shape=32, crop="16,16,32", patch="2,2,16", unlabelled=2, test=1, pretrain_steps=20,
              pretrain_batch=4, finetune_steps=10, warmup=2, seg_features=4)
-# GPU scale, planned for about 8 minutes of one H200 and not yet measured there (docs/after_training.md): a small ViT
-# (24.9 M parameters) on 4x the crop (16 x 16 x 4 = 1,024 tokens), 6,000 pretraining steps of 64 crops on 64 volumes
-# (~69 GFLOP per sample: ~2.6e16 FLOP, ~4 min at 100 TFLOP/s), then 27 fine-tunings of 400 steps of 8 crops (each
-# process's start, ~15 s, is most of their time)
-GPU = dict(model_size="small", shape=64, crop="32,32,64", unlabelled=64, test=8, pretrain_steps=6000,
-           pretrain_batch=64, finetune_steps=400, warmup=40, batch=8, seg_features=16)
+# GPU scale, planned for about 8 minutes of one H200 and not yet measured there (docs/after_training.md): the CPU
+# recipe that pays (patches of more voxels than the model is wide, so that pretraining decides what a token keeps;
+# 256 tokens a crop; every encoder frozen under its head) scaled up: a small ViT (384 wide; its MAE 25.2 M) on
+# patches of 8 x 8 x 16 = 1,024 voxels in crops of 64^3 cut from 64 volumes of FaultSeg3D's own 128^3; 6,000
+# pretraining steps of 64 crops at lr 3e-3, the CPU recipe's (14.7 GFLOP a sample: 5.7e15 FLOP, about a minute at
+# 100 TFLOP/s), then each label count's 12 fine-tunings of 400 steps of 8 crops (each process's start, ~15 s, is
+# most of their time: `--labels=1` first where the budget is short, then the rest on the same --out)
+GPU = dict(model_size="small", shape=128, crop="64,64,64", patch="8,8,16", unlabelled=64, test=8, pretrain_steps=6000,
+           pretrain_batch=64, pretrain_blr=1.2e-2, finetune_steps=400, warmup=40, batch=8, seg_features=16,
+           freeze=400, freeze_twin=True)
 
 
 def pretraining_record(out):
@@ -272,8 +276,9 @@ def pretraining_record(out):
     return read_losses(log)[1], read_floor(log)
 
 
-def main(argv):
-    global DEVICE
+def options(argv):
+    """The command line: --quick and --gpu are presets of the other options' defaults, so an option given beside one
+    wins over it (`--gpu --pretrain_steps=100`); every option checked (check_options). Returns (options, counts)."""
     ap = argparse.ArgumentParser(prog="python -m scripts.label_efficiency", description=__doc__.split("\n")[1])
     ap.add_argument("--labels", default="1,2,4", help="labelled volumes per fine-tuning, e.g. 1,2,4,8")
     ap.add_argument("--seeds", type=int, default=3, help="draws per label count (paired across the three)")
@@ -316,13 +321,17 @@ def main(argv):
                     "of an earlier table with the same settings is gone on from")
     ap.add_argument("--overwrite", action="store_true", help="--out holds a table of other settings: make it anew")
     ap.add_argument("--quick", action="store_true", help="a small table in a minute or two (the tests)")
-    ap.add_argument("--gpu", action="store_true", help="the GPU-scale budget (model small, 6,000 pretraining steps)")
+    ap.add_argument("--gpu", action="store_true", help="the GPU-scale budget (a small ViT, patches of 8 x 8 x 16 in "
+                    "crops of 64^3 of 128^3 volumes, 6,000 pretraining steps of 64, every encoder frozen)")
+    given = ap.parse_args(argv)
+    ap.set_defaults(**{**(QUICK if given.quick else {}), **(GPU if given.gpu else {})})
     a = ap.parse_args(argv)
-    for preset, on in ((QUICK, a.quick), (GPU, a.gpu)):
-        if on:
-            for k, v in preset.items():
-                setattr(a, k, v)
-    counts = check_options(a)
+    return a, check_options(a)
+
+
+def main(argv):
+    global DEVICE
+    a, counts = options(argv)
     DEVICE = "cuda" if a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available()) else "cpu"
     configurator.need(DEVICE == "cpu" or torch.cuda.is_available(), "--device=cuda but torch sees no GPU")
     root = claim_folder(a) if a.out else tempfile.mkdtemp(prefix="label_efficiency_")

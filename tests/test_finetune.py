@@ -314,6 +314,35 @@ def test_flipped_crops_are_the_crops_mirrored_with_their_labels_and_their_cp_sla
         s.close()
 
 
+def test_the_label_efficiency_presets_yield_to_a_given_option_and_the_gpu_one_runs_on_its_crop():
+    """--quick and --gpu set the other options' defaults, so an option given beside one wins (`--gpu
+    --pretrain_steps=7`); without them the defaults hold. The GPU preset, which no test can run at its size, passes
+    the command's own checks, its patch holds more voxels than its model is wide (the recipe's point), and its MAE
+    (masked loss) and segmenter (one logit per voxel through the UNETR head) run on one of its crops."""
+    import math
+
+    import torch
+
+    import configurator
+    from model import SIZES, build_model
+    from scripts import label_efficiency as le
+    a, counts = le.options(["--gpu", "--pretrain_steps=7", "--labels=1"])
+    assert a.pretrain_steps == 7 and counts == [1] and a.pretrain_batch == le.GPU["pretrain_batch"]
+    assert a.crop == (64, 64, 64) and a.patch == (8, 8, 16) and a.shape == 128 and a.freeze == 400 and a.freeze_twin
+    assert math.prod(a.patch) > SIZES[a.model_size][0]
+    assert le.options(["--quick", "--seeds=3"])[0].seeds == 3 and le.options(["--quick"])[0].seeds == 2
+    plain = le.options([])[0]
+    assert (plain.crop, plain.patch, plain.model_size, plain.freeze) == ((16, 16, 64), (2, 2, 16), "tiny", 0)
+    cfg = {**configurator.defaults(), "model_size": a.model_size, "crop": a.crop, "patch": a.patch,
+           "norm_pix_loss": True, "seg_head": "unetr", "seg_features": a.seg_features}
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, *a.crop)
+    with torch.no_grad():
+        loss = build_model(cfg)(x)[0]
+        logits = build_model({**cfg, "task": "segment"}).seg_logits(x)  # (B, L, P, classes)
+    assert torch.isfinite(loss) and logits.shape == (1, 8 * 8 * 4, 8 * 8 * 16, 1) and torch.isfinite(logits).all()
+
+
 def test_the_label_efficiency_windows_blend_as_their_definition_says():
     """The benchmark's ViT scoring (scripts.label_efficiency.predict): at overlap 0 the windows tile the volume, each
     voxel its one window's probability; at overlap 0.5 each voxel is sum_k w_k p_k / sum_k w_k over the windows
