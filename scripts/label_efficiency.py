@@ -4,7 +4,7 @@ from scratch and against a small 3D U-Net from scratch (the field's standard sin
 
     python -m scripts.label_efficiency [--labels=1,2,4] [--seeds=3] [--seed=0] [--out=DIR]   the table, JSON last
     python -m scripts.label_efficiency --quick                                               a small table, for the tests
-    python -m scripts.label_efficiency --gpu                                                 GPU-scale budget (8 min, H200)
+    python -m scripts.label_efficiency --gpu --freeze_twin --labels=1                        GPU scale (~8 min planned)
 
 Every volume is FaultSeg3D's recipe (infra/synthetic.faultseg_volume: cut from the recipe's 128^3, so its faults are
 as dense), written as an MDIO store with its `fault` labels. Once: train.py pretrains a ViT-MAE (task="mae") on
@@ -196,6 +196,7 @@ def check_options(a):
                       "in [0, 1)")
     configurator.need(a.snr_db is None or math.isfinite(a.snr_db), f"--snr_db={a.snr_db} must be a finite number "
                       "of dB (or left out: the recipe's draw)")
+    configurator.need(not (a.quick and a.gpu), "--quick and --gpu are two presets of the same options: give one")
     configurator.need(a.freeze > 0 or not a.freeze_twin, "--freeze_twin freezes the twin's encoder for --freeze steps: "
                       "give --freeze=N too")
     configurator.need(0 < a.layer_decay <= 1, f"--layer_decay={a.layer_decay} must be in (0, 1] (1: off)")
@@ -259,14 +260,15 @@ QUICK = dict(labels="1", seeds=2, shape=32, crop="16,16,32", patch="2,2,16", unl
              pretrain_batch=4, finetune_steps=10, warmup=2, seg_features=4)
 # GPU scale, planned for about 8 minutes of one H200 and not yet measured there (docs/after_training.md): the CPU
 # recipe that pays (patches of more voxels than the model is wide, so that pretraining decides what a token keeps;
-# 256 tokens a crop; every encoder frozen under its head) scaled up: a small ViT (384 wide; its MAE 25.2 M) on
+# 256 tokens a crop; the encoder frozen under its head) scaled up: a small ViT (384 wide; its MAE 25.2 M) on
 # patches of 8 x 8 x 16 = 1,024 voxels in crops of 64^3 cut from 64 volumes of FaultSeg3D's own 128^3; 6,000
 # pretraining steps of 64 crops at lr 3e-3, the CPU recipe's (14.7 GFLOP a sample: 5.7e15 FLOP, about a minute at
-# 100 TFLOP/s), then each label count's 12 fine-tunings of 400 steps of 8 crops (each process's start, ~15 s, is
-# most of their time: `--labels=1` first where the budget is short, then the rest on the same --out)
+# 100 TFLOP/s), then per label count and seed a U-Net and 2 ViT fine-tunings (3 with --freeze_twin) of 400 steps of
+# 8 crops, each ViT's process start (~15 s) most of its time: `--labels=1` first where the budget is short, then the
+# rest on the same --out
 GPU = dict(model_size="small", shape=128, crop="64,64,64", patch="8,8,16", unlabelled=64, test=8, pretrain_steps=6000,
            pretrain_batch=64, pretrain_blr=1.2e-2, finetune_steps=400, warmup=40, batch=8, seg_features=16,
-           freeze=400, freeze_twin=True)
+           freeze=400)
 
 
 def pretraining_record(out):
@@ -281,7 +283,7 @@ def options(argv):
     wins over it (`--gpu --pretrain_steps=100`); every option checked (check_options). Returns (options, counts)."""
     ap = argparse.ArgumentParser(prog="python -m scripts.label_efficiency", description=__doc__.split("\n")[1])
     ap.add_argument("--labels", default="1,2,4", help="labelled volumes per fine-tuning, e.g. 1,2,4,8")
-    ap.add_argument("--seeds", type=int, default=3, help="draws per label count (paired across the three)")
+    ap.add_argument("--seeds", type=int, default=3, help="draws per label count (paired across the models)")
     ap.add_argument("--seed", type=int, default=0, help="shifts every seed: a fresh draw of the whole table")
     ap.add_argument("--shape", type=int, default=64, help="voxels per volume along each axis")
     ap.add_argument("--crop", default="16,16,64", help="crop (and ViT window): one int or inline,crossline,time")
@@ -322,7 +324,7 @@ def options(argv):
     ap.add_argument("--overwrite", action="store_true", help="--out holds a table of other settings: make it anew")
     ap.add_argument("--quick", action="store_true", help="a small table in a minute or two (the tests)")
     ap.add_argument("--gpu", action="store_true", help="the GPU-scale budget (a small ViT, patches of 8 x 8 x 16 in "
-                    "crops of 64^3 of 128^3 volumes, 6,000 pretraining steps of 64, every encoder frozen)")
+                    "crops of 64^3 of 128^3 volumes, 6,000 pretraining steps of 64, the pretrained encoder frozen)")
     given = ap.parse_args(argv)
     ap.set_defaults(**{**(QUICK if given.quick else {}), **(GPU if given.gpu else {})})
     a = ap.parse_args(argv)
@@ -418,7 +420,7 @@ def main(argv):
     print(f"\nfault segmentation on {a.test} held-out volumes of {shape}; IoU / Dice / AP, means over {a.seeds} "
           f"seed(s); {a.finetune_steps} fine-tuning steps of {a.batch} crops of {a.crop}, ViT head {a.seg_head}"
           + (f"; the pretrained encoder frozen {a.freeze} steps" if a.freeze else "")
-          + (", the twin's random one too" if a.freeze_twin else "")
+          + (", a twin's random one too, another twin trained whole" if a.freeze_twin else "")
           + ("" if a.snr_db is None else f"; every volume's noise at {a.snr_db:g} dB"))
     print(f"pretraining: {a.pretrain_steps} steps, validation masked loss {mae_val:.4f} against the floor {floor:.4f}"
           + ("" if mae_val < floor else "  ** ABOVE THE FLOOR: the pretrained encoder has learnt less than linear "

@@ -328,8 +328,11 @@ def test_the_label_efficiency_presets_yield_to_a_given_option_and_the_gpu_one_ru
     from scripts import label_efficiency as le
     a, counts = le.options(["--gpu", "--pretrain_steps=7", "--labels=1"])
     assert a.pretrain_steps == 7 and counts == [1] and a.pretrain_batch == le.GPU["pretrain_batch"]
-    assert a.crop == (64, 64, 64) and a.patch == (8, 8, 16) and a.shape == 128 and a.freeze == 400 and a.freeze_twin
+    assert a.crop == (64, 64, 64) and a.patch == (8, 8, 16) and a.shape == 128 and a.freeze == 400
     assert math.prod(a.patch) > SIZES[a.model_size][0]
+    assert not le.options(["--gpu", "--freeze=0"])[0].freeze  # (the preset's freeze given back)
+    with pytest.raises(configurator.ConfigError, match="two presets"):
+        le.options(["--gpu", "--quick"])
     assert le.options(["--quick", "--seeds=3"])[0].seeds == 3 and le.options(["--quick"])[0].seeds == 2
     plain = le.options([])[0]
     assert (plain.crop, plain.patch, plain.model_size, plain.freeze) == ((16, 16, 64), (2, 2, 16), "tiny", 0)
