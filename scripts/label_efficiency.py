@@ -259,9 +259,9 @@ def claim_folder(a):
 QUICK = dict(labels="1", seeds=2, shape=32, crop="16,16,32", patch="2,2,16", unlabelled=2, test=1, pretrain_steps=20,
              pretrain_batch=4, finetune_steps=10, warmup=2, seg_features=4)
 # GPU scale, planned for about 8 minutes of one H200 and not yet measured there (docs/after_training.md): the CPU
-# recipe that pays (patches of more voxels than the model is wide, so that pretraining decides what a token keeps;
-# 256 tokens a crop; the encoder frozen under its head) scaled up: a small ViT (384 wide; its MAE 25.2 M) on
-# patches of 8 x 8 x 16 = 1,024 voxels in crops of 64^3 cut from 64 volumes of FaultSeg3D's own 128^3; 6,000
+# recipe whose pretraining beats the ViT from scratch, not yet the U-Net (patches of more voxels than the model is
+# wide, so that pretraining decides what a token keeps; 256 tokens a crop; the encoder frozen under its head) scaled
+# up: a small ViT (384 wide; its MAE 25.2 M) on patches of 8 x 8 x 16 = 1,024 voxels in crops of 64^3 cut from 64 volumes of FaultSeg3D's own 128^3; 6,000
 # pretraining steps of 64 crops at lr 3e-3, the CPU recipe's (14.7 GFLOP a sample: 5.7e15 FLOP, about a minute at
 # 100 TFLOP/s), then per label count and seed a U-Net and 2 ViT fine-tunings (3 with --freeze_twin) of 400 steps of
 # 8 crops, each ViT's process start (~15 s) most of its time: `--labels=1` first where the budget is short, then the
