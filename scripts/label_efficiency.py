@@ -261,11 +261,11 @@ QUICK = dict(labels="1", seeds=2, shape=32, crop="16,16,32", patch="2,2,16", unl
 # GPU scale, planned for about 8 minutes of one H200 and not yet measured there (docs/after_training.md): the CPU
 # recipe whose pretraining beats the ViT from scratch, not yet the U-Net (patches of more voxels than the model is
 # wide, so that pretraining decides what a token keeps; 256 tokens a crop; the encoder frozen under its head) scaled
-# up: a small ViT (384 wide; its MAE 25.2 M) on patches of 8 x 8 x 16 = 1,024 voxels in crops of 64^3 cut from 64
-# volumes of FaultSeg3D's own 128^3; 6,000 pretraining steps of 64 crops at lr 3e-3, the CPU recipe's (14.7 GFLOP a
-# sample: 5.7e15 FLOP, about a minute at 100 TFLOP/s), then per label count and seed a U-Net and 2 ViT fine-tunings (3
-# with --freeze_twin) of 400 steps of 8 crops, each ViT's process start (~15 s) most of its time: `--labels=1` first
-# where the budget is short, then the rest on the same --out
+# up: a small ViT (384 wide) on patches of 8 x 8 x 16 = 1,024 voxels in crops of 64^3 cut from 64 volumes of
+# FaultSeg3D's own 128^3; 6,000 pretraining steps of 64 crops at lr 3e-3, the CPU recipe's (its FLOPs a sample:
+# infra/plan.py's count), then per label count and seed a U-Net and 2 ViT fine-tunings (3 with --freeze_twin) of 400
+# steps of 8 crops, each ViT's train.py process start most of its time: `--labels=1` first where the budget is short,
+# then the rest on the same --out
 GPU = dict(model_size="small", shape=128, crop="64,64,64", patch="8,8,16", unlabelled=64, test=8, pretrain_steps=6000,
            pretrain_batch=64, pretrain_blr=1.2e-2, finetune_steps=400, warmup=40, batch=8, seg_features=16,
            freeze=400)
