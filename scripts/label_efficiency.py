@@ -18,7 +18,9 @@ and each seed s (the seed draws the n labelled volumes, the crops and the inits)
   scratch_whole  with --freeze_twin (which freezes `scratch`'s encoder as the pretrained one's): the twin trained whole
   unet           a 3D U-Net (two poolings) on the same crops (data.Sampler with label_var: the same stream)
 Each is scored on `test` held-out volumes, whole: fault IoU and Dice at probability 0.5 and average precision over
-every voxel. Differences are paired (the models met the same volumes, crops and test set within a seed): diff =
+every voxel; beside them, per model, the fraction of voxels it calls fault at 0.5 and its IoU at the one threshold
+best on the test voxels (what its ranking alone is worth: a diagnostic of where 0.5 falls, scores). Differences are
+paired (the models met the same volumes, crops and test set within a seed): diff =
 pretrained - the best of the baselines (by its mean), se = the standard error of that difference over seeds; `won`:
 ahead of every baseline by more than 2 standard errors. The JSON line's `by_labels` holds, per label count, the
 means over seeds.
@@ -164,15 +166,26 @@ def predict(kind, model, vol, crop, overlap=0.0):
 
 def scores(prob, label):
     """Fault IoU and Dice at probability 0.5, and average precision (the area under precision against recall,
-    voxels ranked by probability), over all voxels given."""
+    voxels ranked by probability), over all voxels given; beside them two diagnostics of calibration: the fraction of
+    voxels called fault at 0.5 (`called`, against the labels' fault fraction) and the IoU at the single threshold
+    that is best on these voxels (`iou_best`: chosen on the test labels, so not a usable threshold, but what the
+    ranking alone is worth: a model whose `iou` is far below it calls faults at 0.5 where it should not).
+
+    The loss's pos_weight w moves where 0.5 falls: the weighted BCE is least at p / (1 - p) = w q / (1 - q) for a true
+    fault probability q, so p > 0.5 calls a fault wherever q > 1 / (1 + w) (w = 10: q > 0.09)."""
     prob, y = prob.ravel(), label.ravel().astype(bool)
     pred = prob > 0.5
     tp, fp, fn = (pred & y).sum(), (pred & ~y).sum(), (~pred & y).sum()
     order = np.argsort(-prob, kind="stable")
-    hits = y[order]
-    precision = np.cumsum(hits) / np.arange(1, hits.size + 1)
+    hits, ranked = y[order], prob[order]
+    tp_k = np.cumsum(hits)  # faults among the k most probable voxels, k = 1..N
+    k = np.arange(1, hits.size + 1)
+    precision = tp_k / k
     ap = float(precision[hits].sum() / max(1, hits.sum()))
-    return {"iou": float(tp / max(1, tp + fp + fn)), "dice": float(2 * tp / max(1, 2 * tp + fp + fn)), "ap": ap}
+    cut = np.r_[ranked[1:] < ranked[:-1], True]  # a threshold separates k from k + 1 only where the probability drops
+    iou_k = tp_k / (k + hits.sum() - tp_k)  # calling the top k: tp / (tp + fp + fn), fp = k - tp, fn = P - tp
+    return {"iou": float(tp / max(1, tp + fp + fn)), "dice": float(2 * tp / max(1, 2 * tp + fp + fn)), "ap": ap,
+            "iou_best": float(iou_k[cut].max()), "called": float(pred.mean())}
 
 
 def check_options(a):
@@ -402,7 +415,8 @@ def main(argv):
     by_labels, rows, baselines = {}, [], kinds[1:]
     for n in counts:
         r = results[n]
-        mean = {k: {m: float(np.mean([x[m] for x in v])) for m in ("iou", "dice", "ap")} for k, v in r.items()}
+        mean = {k: {m: float(np.mean([x[m] for x in v])) for m in ("iou", "dice", "ap", "iou_best", "called")}
+                for k, v in r.items()}
         row = {k: round(mean[k]["iou"], 4) for k in kinds}
         for other in baselines:  # paired by seed: the same volumes, crops and test set
             d = np.array([p["iou"] - b["iou"] for p, b in zip(r["pretrained"], r[other])])
@@ -412,6 +426,8 @@ def main(argv):
         row.update(diff=row[f"diff_{better}"], se=row[f"se_{better}"], better_scratch=better,
                    dice={k: round(v["dice"], 4) for k, v in mean.items()},
                    ap={k: round(v["ap"], 4) for k, v in mean.items()},
+                   iou_best={k: round(v["iou_best"], 4) for k, v in mean.items()},
+                   called={k: round(v["called"], 4) for k, v in mean.items()},
                    won=all(row[f"se_{o}"] is not None and row[f"diff_{o}"] > 2 * row[f"se_{o}"] for o in baselines))
         by_labels[n] = row
         pm = lambda o: f"{row[f'diff_{o}']:+.3f}" + ("" if row[f"se_{o}"] is None else f" ± {row[f'se_{o}']:.3f}")  # noqa
@@ -430,12 +446,16 @@ def main(argv):
     short = {"scratch": "ViT scratch" + (" frozen" if a.freeze_twin else ""), "scratch_whole": "ViT scratch whole",
              "unet": "U-Net"}
     table(rows, ["labelled volumes", *(names[k] for k in kinds), *(f"IoU pretrained - {short[o]}" for o in baselines)])
+    faults = float(np.mean([f.mean() for _, f, _ in test_vols]))  # the test voxels' fault fraction
+    for n, row in by_labels.items():  # calibration (scores): what the thresholded IoU owes to 0.5 rather than ranking
+        print(f"labels {n}: voxels called fault at 0.5 (faults: {faults:.3f}), IoU at the best single threshold: "
+              + ", ".join(f"{short.get(k, k)} {row['called'][k]:.3f}, {row['iou_best'][k]:.3f}" for k in kinds))
     print(json.dumps({"bench": "label_efficiency", "by_labels": by_labels, "seeds": a.seeds, "seed": a.seed,
                       "pretraining": {"val_loss": round(mae_val, 4), "val_floor": round(floor, 4),
                                       "below_floor": mae_val < floor,
                                       "curve": {int(k): round(v, 4) for k, v in sorted(curve.items())}},
                       "shape": list(shape), "crop": list(a.crop), "patch": list(a.patch), "model_size": a.model_size,
-                      "unlabelled": a.unlabelled, "test": a.test, "pretrain_steps": a.pretrain_steps,
+                      "fault_fraction": round(faults, 4), "unlabelled": a.unlabelled, "test": a.test, "pretrain_steps": a.pretrain_steps,
                       "pretrain_batch": a.pretrain_batch, "pretrain_blr": a.pretrain_blr, "mask_ratio": a.mask_ratio,
                       "finetune_steps": a.finetune_steps, "batch": a.batch, "lr": a.lr, "pos_weight": a.pos_weight,
                       "seg_head": a.seg_head, "seg_features": a.seg_features, "layer_decay": a.layer_decay,

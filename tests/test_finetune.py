@@ -389,6 +389,24 @@ def test_the_label_efficiency_windows_blend_as_their_definition_says():
     assert np.abs(blended - tiled).max() > 1e-3  # the overlapping windows do change the probabilities
 
 
+def test_the_label_efficiency_scores_match_their_definitions_on_small_cases():
+    """scripts.label_efficiency.scores: IoU and Dice at 0.5, AP, the fraction called fault and the IoU at the best single
+    threshold, on cases worked by hand; a threshold cannot split voxels of equal probability, and a map that ranks
+    every fault first but never reaches 0.5 scores IoU 0 at 0.5 and 1 at its best threshold."""
+    import numpy as np
+
+    from scripts import label_efficiency as le
+    s = le.scores(np.array([0.9, 0.8, 0.8, 0.1]), np.array([1, 0, 1, 0]))
+    # at 0.5: called 3 of 4, tp 2, fp 1, fn 0; thresholds keep the top 1, 3 or 4: IoU 1/2, 2/3, 2/4
+    assert s["iou"] == 2 / 3 and s["dice"] == 4 / 5 and s["called"] == 3 / 4 and s["iou_best"] == 2 / 3
+    assert abs(s["ap"] - (1 / 1 + 2 / 3) / 2) < 1e-12  # precision at each fault's rank (the tie in stable order)
+    tie = le.scores(np.array([0.9, 0.9, 0.1]), np.array([1, 0, 0]))
+    assert tie["iou_best"] == 1 / 2  # the top 1 alone (IoU 1) is not a threshold: it would split the tie at 0.9
+    label = np.random.default_rng(0).random((6, 6, 6)) < 0.2
+    low = le.scores(0.2 + 0.3 * label, label)  # every fault ranked above every other voxel, none above 0.5
+    assert low["iou"] == 0 and low["called"] == 0 and low["iou_best"] == 1 and low["ap"] == 1
+
+
 @pytest.mark.slow
 def test_the_label_efficiency_table_runs_small(tmp_path):
     """`python -m scripts.label_efficiency --quick`: the models on the same draws, the table, and its JSON line last
@@ -418,6 +436,9 @@ def test_the_label_efficiency_table_runs_small(tmp_path):
     for k in baselines:
         assert abs(row[f"diff_{k}"] - (row["pretrained"] - row[k])) < 2e-4 and row[f"se_{k}"] is not None
     assert row["won"] == all(row[f"diff_{k}"] > 2 * row[f"se_{k}"] for k in baselines)
+    for k in ("pretrained", *baselines):  # the calibration diagnostics: 0.5 is one of the thresholds iou_best tries
+        assert row["iou_best"][k] >= row[k] - 1e-4 and 0 <= row["called"][k] <= 1
+    assert 0 < out["fault_fraction"] < 1 and "IoU at the best single threshold" in r.stdout
     assert "3D U-Net from scratch" in r.stdout and "ViT from scratch, trained whole" in r.stdout
     pre = out["pretraining"]  # the MAE's validation loss beside its floor, and the flag when it is not below it
     assert 0 < pre["val_floor"] < 1.5 and pre["below_floor"] == (pre["val_loss"] < pre["val_floor"])
