@@ -448,8 +448,9 @@ def main(argv):
     table(rows, ["labelled volumes", *(names[k] for k in kinds), *(f"IoU pretrained - {short[o]}" for o in baselines)])
     faults = float(np.mean([f.mean() for _, f, _ in test_vols]))  # the test voxels' fault fraction
     for n, row in by_labels.items():  # calibration (scores): what the thresholded IoU owes to 0.5 rather than ranking
-        print(f"labels {n}: voxels called fault at 0.5 (faults: {faults:.3f}), IoU at the best single threshold: "
-              + ", ".join(f"{short.get(k, k)} {row['called'][k]:.3f}, {row['iou_best'][k]:.3f}" for k in kinds))
+        print(f"labels {n}, each model's fraction of voxels called fault at 0.5 (the faults': {faults:.3f}) / "
+              "IoU at the best single threshold: "
+              + ", ".join(f"{short.get(k, k)} {row['called'][k]:.3f} / {row['iou_best'][k]:.3f}" for k in kinds))
     print(json.dumps({"bench": "label_efficiency", "by_labels": by_labels, "seeds": a.seeds, "seed": a.seed,
                       "pretraining": {"val_loss": round(mae_val, 4), "val_floor": round(floor, 4),
                                       "below_floor": mae_val < floor,
