@@ -20,10 +20,9 @@ and each seed s (the seed draws the n labelled volumes, the crops and the inits)
 Each is scored on `test` held-out volumes, whole: fault IoU and Dice at probability 0.5 and average precision over
 every voxel; beside them, per model, the fraction of voxels it calls fault at 0.5 and its IoU at the one threshold
 best on the test voxels (what its ranking alone is worth: a diagnostic of where 0.5 falls, scores). Differences are
-paired (the models met the same volumes, crops and test set within a seed): diff =
-pretrained - the best of the baselines (by its mean), se = the standard error of that difference over seeds; `won`:
-ahead of every baseline by more than 2 standard errors. The JSON line's `by_labels` holds, per label count, the
-means over seeds.
+paired (the models met the same volumes, crops and test set within a seed): diff = pretrained - the best of the
+baselines (by its mean), se = the standard error of that difference over seeds; `won`: ahead of every baseline by
+more than 2 standard errors. The JSON line's `by_labels` holds, per label count, the means over seeds.
 --seed shifts every seed (volumes, inits, crops) for a fresh draw of the whole table; --flip mirrors every fine-tuning's
 crops at random along inline and crossline (train.py's flip_crops, the U-Net's sampler alike); --snr_db=X puts
 every volume's noise at X dB instead of the recipe's draw (the same reflectors, faults and noise pattern, scaled);
@@ -456,8 +455,9 @@ def main(argv):
                                       "below_floor": mae_val < floor,
                                       "curve": {int(k): round(v, 4) for k, v in sorted(curve.items())}},
                       "shape": list(shape), "crop": list(a.crop), "patch": list(a.patch), "model_size": a.model_size,
-                      "fault_fraction": round(faults, 4), "unlabelled": a.unlabelled, "test": a.test, "pretrain_steps": a.pretrain_steps,
-                      "pretrain_batch": a.pretrain_batch, "pretrain_blr": a.pretrain_blr, "mask_ratio": a.mask_ratio,
+                      "fault_fraction": round(faults, 4), "unlabelled": a.unlabelled, "test": a.test,
+                      "pretrain_steps": a.pretrain_steps, "pretrain_batch": a.pretrain_batch,
+                      "pretrain_blr": a.pretrain_blr, "mask_ratio": a.mask_ratio,
                       "finetune_steps": a.finetune_steps, "batch": a.batch, "lr": a.lr, "pos_weight": a.pos_weight,
                       "seg_head": a.seg_head, "seg_features": a.seg_features, "layer_decay": a.layer_decay,
                       "weight_decay": a.weight_decay, "freeze": a.freeze, "freeze_twin": a.freeze_twin, "flip": a.flip,

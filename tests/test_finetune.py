@@ -390,8 +390,8 @@ def test_the_label_efficiency_windows_blend_as_their_definition_says():
 
 
 def test_the_label_efficiency_scores_match_their_definitions_on_small_cases():
-    """scripts.label_efficiency.scores: IoU and Dice at 0.5, AP, the fraction called fault and the IoU at the best single
-    threshold, on cases worked by hand; a threshold cannot split voxels of equal probability, and a map that ranks
+    """scripts.label_efficiency.scores: IoU and Dice at 0.5, AP, the fraction called fault and the IoU at the best
+    single threshold, on cases worked by hand; a threshold cannot split voxels of equal probability, and a map that ranks
     every fault first but never reaches 0.5 scores IoU 0 at 0.5 and 1 at its best threshold."""
     import numpy as np
 
