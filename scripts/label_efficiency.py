@@ -418,15 +418,17 @@ def main(argv):
                 for k, v in r.items()}
         row = {k: round(mean[k]["iou"], 4) for k in kinds}
         for other in baselines:  # paired by seed: the same volumes, crops and test set
-            d = np.array([p["iou"] - b["iou"] for p, b in zip(r["pretrained"], r[other])])
-            row[f"diff_{other}"] = round(float(d.mean()), 4)
-            row[f"se_{other}"] = round(float(d.std(ddof=1) / math.sqrt(len(d))), 4) if len(d) > 1 else None
+            for m, key in (("iou", ""), ("iou_best", "best_")):
+                d = np.array([p[m] - b[m] for p, b in zip(r["pretrained"], r[other])])
+                row[f"{key}diff_{other}"] = round(float(d.mean()), 4)
+                row[f"{key}se_{other}"] = round(float(d.std(ddof=1) / math.sqrt(len(d))), 4) if len(d) > 1 else None
         better = max(baselines, key=lambda k: mean[k]["iou"])
         row.update(diff=row[f"diff_{better}"], se=row[f"se_{better}"], better_scratch=better,
                    dice={k: round(v["dice"], 4) for k, v in mean.items()},
                    ap={k: round(v["ap"], 4) for k, v in mean.items()},
                    iou_best={k: round(v["iou_best"], 4) for k, v in mean.items()},
                    called={k: round(v["called"], 4) for k, v in mean.items()},
+                   seeds={k: {m: [round(x[m], 4) for x in v] for m in ("iou", "iou_best")} for k, v in r.items()},
                    won=all(row[f"se_{o}"] is not None and row[f"diff_{o}"] > 2 * row[f"se_{o}"] for o in baselines))
         by_labels[n] = row
         pm = lambda o: f"{row[f'diff_{o}']:+.3f}" + ("" if row[f"se_{o}"] is None else f" ± {row[f'se_{o}']:.3f}")  # noqa
@@ -449,7 +451,10 @@ def main(argv):
     for n, row in by_labels.items():  # calibration (scores): what the thresholded IoU owes to 0.5 rather than ranking
         print(f"labels {n}, each model's fraction of voxels called fault at 0.5 (the faults': {faults:.3f}) / "
               "IoU at the best single threshold: "
-              + ", ".join(f"{short.get(k, k)} {row['called'][k]:.3f} / {row['iou_best'][k]:.3f}" for k in kinds))
+              + ", ".join(f"{short.get(k, k)} {row['called'][k]:.3f} / {row['iou_best'][k]:.3f}" for k in kinds)
+              + "; best-threshold IoU pretrained - " + ", ".join(
+                  f"{short[o]} {row[f'best_diff_{o}']:+.3f}"
+                  + ("" if row[f"best_se_{o}"] is None else f" ± {row[f'best_se_{o}']:.3f}") for o in baselines))
     print(json.dumps({"bench": "label_efficiency", "by_labels": by_labels, "seeds": a.seeds, "seed": a.seed,
                       "pretraining": {"val_loss": round(mae_val, 4), "val_floor": round(floor, 4),
                                       "below_floor": mae_val < floor,

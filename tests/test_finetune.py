@@ -438,6 +438,10 @@ def test_the_label_efficiency_table_runs_small(tmp_path):
     assert row["won"] == all(row[f"diff_{k}"] > 2 * row[f"se_{k}"] for k in baselines)
     for k in ("pretrained", *baselines):  # the calibration diagnostics: 0.5 is one of the thresholds iou_best tries
         assert row["iou_best"][k] >= row[k] - 1e-4 and 0 <= row["called"][k] <= 1
+        assert len(row["seeds"][k]["iou"]) == 2 and abs(np.mean(row["seeds"][k]["iou"]) - row[k]) < 2e-4
+    for k in baselines:  # paired on the best-threshold IoU as on the IoU at 0.5
+        d = np.subtract(row["seeds"]["pretrained"]["iou_best"], row["seeds"][k]["iou_best"])
+        assert abs(row[f"best_diff_{k}"] - d.mean()) < 2e-4 and row[f"best_se_{k}"] is not None
     assert 0 < out["fault_fraction"] < 1 and "IoU at the best single threshold" in r.stdout
     assert "3D U-Net from scratch" in r.stdout and "ViT from scratch, trained whole" in r.stdout
     pre = out["pretraining"]  # the MAE's validation loss beside its floor, and the flag when it is not below it
