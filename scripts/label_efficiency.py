@@ -22,7 +22,9 @@ every voxel; beside them, per model, the fraction of voxels it calls fault at 0.
 best on the test voxels (what its ranking alone is worth: a diagnostic of where 0.5 falls, scores). Differences are
 paired (the models met the same volumes, crops and test set within a seed): diff = pretrained - the best of the
 baselines (by its mean), se = the standard error of that difference over seeds; `won`: ahead of every baseline by
-more than 2 standard errors. The JSON line's `by_labels` holds, per label count, the means over seeds.
+more than 2 standard errors. The JSON line's `by_labels` holds, per label count, the means over seeds, the paired
+differences of the best-threshold IoU (best_diff_*, best_se_*) and each seed's IoU and best-threshold IoU (`seeds`:
+tables of other --seed draws pool with it).
 --seed shifts every seed (volumes, inits, crops) for a fresh draw of the whole table; --flip mirrors every fine-tuning's
 crops at random along inline and crossline (train.py's flip_crops, the U-Net's sampler alike); --snr_db=X puts
 every volume's noise at X dB instead of the recipe's draw (the same reflectors, faults and noise pattern, scaled);
