@@ -90,6 +90,11 @@ def parse(argv):
                     "OUT.VARIABLE.png with --variable; NAME.png in the current folder for an s3:// OUT)")
     ap.add_argument("--score", default="", help="a label variable of the survey (e.g. fault): the prediction's IoU and "
                     "Dice against it in the JSON line")
+    ap.add_argument("--threshold", type=float, default=0.5, help="binary --score: a voxel is called a fault where "
+                    "its probability exceeds this. A model trained with pos_weight w (train.py: 10) leans to faults: "
+                    "its p > 0.5 where the true odds exceed 1/w, p > w/(1+w) where they exceed 1. Choose it on "
+                    "labels fine-tuning held out (--score_inlines); the same command again re-scores a finished "
+                    "prediction at another threshold without predicting again")
     ap.add_argument("--score_inlines", default="", help="LO:HI, the inline indices scored (default: all), e.g. the "
                     "inlines fine-tuning held out")
     cli.add_read_arguments(ap)
@@ -154,6 +159,8 @@ def main(argv, stop=None):
     except (ValueError, AssertionError):
         raise configurator.ConfigError(f"--score_inlines={a.score_inlines!r}: LO:HI with 0 <= LO < HI <= "
                                        f"{shape[0]} (the survey's inlines)") from None
+    if not 0 <= a.threshold < 1:
+        raise configurator.ConfigError(f"--threshold={a.threshold}: a probability in [0, 1), e.g. 0.5 (the default)")
     names = Names(a.variable)
     source = a.survey if outputs.is_remote(a.survey) else os.path.abspath(a.survey)
     settings = {"made_by": "scripts.predict", "source": source, "model": modelfile.identity(a.model),
@@ -171,7 +178,9 @@ def main(argv, stop=None):
         if rank == 0:
             print(f"{a.out} already holds this prediction, complete (the same survey, model and settings): nothing "
                   f"to do (--overwrite does not redo it; remove it to)", file=sys.stderr)
-            print(json.dumps({"tiles": len(all_tiles), "windows": n_windows, "out": a.out, "picture": pic,
+            scored = score(a.out, so, names.prob, labels, inl, classes, chunks, a.threshold) \
+                if labels is not None else {}
+            print(json.dumps({**scored, "tiles": len(all_tiles), "windows": n_windows, "out": a.out, "picture": pic,
                               "already_complete": True}))
         dist.destroy_process_group()
         return 0
@@ -255,7 +264,7 @@ def main(argv, stop=None):
         fig = picture(vol, open_group(a.out, mode="r", storage_options=so), names, classes,
                       f"{a.survey}: {'class' if classes > 2 else 'fault'} probability, {os.path.basename(a.model)}")
         outputs.save_figure(fig, pic, settings)
-        scored = score(open_group(a.out, mode="r", storage_options=so)[names.prob], labels, inl, classes, chunks) \
+        scored = score(a.out, so, names.prob, labels, inl, classes, chunks, a.threshold) \
             if labels is not None else {}
         print(json.dumps({**scored, "tiles": len(all_tiles), "windows": n_windows, "windows_computed": int(counts[1]),
                           "recompute": extra, "tile": list(tile), "stride": list(stride), "batch": batch,
@@ -321,10 +330,12 @@ def write_tile(acc, box, norm, vol, out_arr, zero_arr, tile, dtype, classes):
     zero_arr[box[2][0] // tile[2], sl[0], sl[1]] = zero.astype(np.uint8)
 
 
-def score(prob, labels, inl, classes, chunks):
-    """IoU and Dice of the stored prediction (binary: probability > 1/2; else the likeliest class) against the label
-    variable over inlines [inl[0], inl[1]), read a chunk's inlines at a time: {"iou": .., "dice": ..} of class 1, or
-    per class for more classes. Dead traces count as predicted no class."""
+def score(out, so, name, labels, inl, classes, chunks, threshold=0.5):
+    """IoU and Dice of the prediction stored at out/name (binary: probability > threshold; else the likeliest class)
+    against the label variable over inlines [inl[0], inl[1]), read a chunk's inlines at a time: {"iou": .., "dice": ..}
+    of class 1 (and the threshold), or per class for more classes. Dead traces count as predicted no class."""
+    import zarr
+    prob = zarr.open_group(out, mode="r", storage_options=so)[name]
     C = 2 if classes == 2 else classes
     tp, fp, fn = np.zeros(C), np.zeros(C), np.zeros(C)
     for lo in range(inl[0], inl[1], chunks[0]):
@@ -333,7 +344,7 @@ def score(prob, labels, inl, classes, chunks):
         p = np.asarray(prob[lo:hi] if classes == 2 else prob[:, lo:hi], dtype=np.float32)
         p = p * (1 / 255 if prob.dtype == np.uint8 else 1.0)
         if classes == 2:
-            pred = (p > 0.5).astype(np.int64)
+            pred = (p > threshold).astype(np.int64)
         else:
             pred = np.where(p.max(0) > 0, p.argmax(0), -1)  # (dead traces: no class)
         for c in range(C):
@@ -342,7 +353,8 @@ def score(prob, labels, inl, classes, chunks):
             fn[c] += ((pred != c) & (y == c)).sum()
     iou, dice = tp / np.maximum(1, tp + fp + fn), 2 * tp / np.maximum(1, 2 * tp + fp + fn)
     if classes == 2:
-        return {"iou": round(float(iou[1]), 4), "dice": round(float(dice[1]), 4), "scored_inlines": list(inl)}
+        return {"iou": round(float(iou[1]), 4), "dice": round(float(dice[1]), 4), "threshold": threshold,
+                "scored_inlines": list(inl)}
     return {"iou": [round(float(v), 4) for v in iou], "dice": [round(float(v), 4) for v in dice],
             "scored_inlines": list(inl)}
 

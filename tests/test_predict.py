@@ -147,6 +147,20 @@ def test_every_layout_and_a_restart_write_the_same_prediction(predict_survey):
     dead = np.asarray(zarr.open_group(root / "ref.zarr", mode="r")["dead_traces"][:])
     assert sorted(map(tuple, np.argwhere(dead).tolist())) == DEAD and (ref[dead.astype(bool)] == 0).all()
     assert (ref[~dead.astype(bool)] > 0).all() and np.isfinite(ref).all()  # every live voxel written
+    # the finished prediction scored at two thresholds: nothing predicted again; IoU and Dice of p > t against the
+    # labels, as counted here (a dead trace, probability 0, is no fault)
+    from infra import reader
+    y = reader.Volume(store).variable("fault").read((0, 0, 0), SHAPE, normalize=False).astype(bool)
+    ious = []
+    for t in (0.5, 0.3):
+        again = ok(run_predict(base + [f"--out={root / 'ref.zarr'}", "--score=fault", f"--threshold={t}"]))
+        hit = ref > t
+        tp, union = (hit & y).sum(), (hit | y).sum()
+        assert again["already_complete"] and again["threshold"] == t
+        assert again["iou"] == pytest.approx(tp / union, abs=1e-4), (t, again)
+        assert again["dice"] == pytest.approx(2 * tp / (hit.sum() + y.sum()), abs=1e-4), (t, again)
+        ious.append(again["iou"])
+    assert ious[0] != ious[1]  # (the threshold reached the count)
     ok(run_predict(base + [f"--out={root / 'dp2cp2.zarr'}", "--cp=2"], nproc=4))
     ok(run_predict(base + [f"--out={root / 'dp2.zarr'}"], nproc=2))
     r = run_predict(base + [f"--out={root / 'restart.zarr'}", "--stop_after=5"])
@@ -221,6 +235,7 @@ def test_bad_model_survey_and_output_are_one_error_line_each(predict_survey, tmp
              ([sharp, store, f"--out={tmp_path / 'd.zarr'}", "--tile=10,16,16"], "multiple of the output's chunks"),
              ([sharp, store, f"--out={tmp_path / 'e.zarr'}", "--score=horizon"], "no label variable"),
              ([sharp, store, f"--out={tmp_path / 'f.zarr'}", "--overlap=1"], "--overlap=1"),
+             ([sharp, store, f"--out={tmp_path / 'h.zarr'}", "--score=fault", "--threshold=1"], "--threshold=1"),
              ([sharp, store, f"--out={tmp_path / 'g.zarr'}", "--crop=12,16,32"], "multiple of the model's patch")]
     for args, says in cases:
         r = run_predict(args)
