@@ -53,7 +53,7 @@ s3_endpoint = ""  # S3-compatible endpoint URL (MinIO, a loopback test server); 
 # sample and model
 crop = (64, 64, 128)  # voxels per sample, (inline, crossline, time)
 patch = (16, 16, 16)  # voxels per token
-model_size = "tiny"  # tiny | small | base | large | huge | giant | G (model.SIZES: width, depth, heads)
+model_size = "tiny"  # tiny | mini | small | base | large | huge | giant | G (model.SIZES: width, depth, heads)
 heads = 0  # encoder attention heads; 0 = the size's own. Width / heads = the head dim: 64 or 128 run the GPU's
 #            fused attention fastest (python -m scripts.plan CONFIG prints the step at both layouts)
 dec_heads = 0  # the decoder's, likewise (its width is 512 from base up: 4 heads of 128)
