@@ -285,6 +285,12 @@ GPU = dict(model_size="small", shape=128, crop="64,64,64", patch="8,8,16", unlab
            freeze=400)
 
 
+def pm(row, other, key=""):
+    """A paired difference of a by_labels row as the table prints it: +0.012 ± 0.004 (no ± from one seed)."""
+    d, se = row[f"{key}diff_{other}"], row[f"{key}se_{other}"]
+    return f"{d:+.3f}" + ("" if se is None else f" ± {se:.3f}")
+
+
 def pretraining_record(out):
     """The pretraining run's validation, from its log.jsonl: {step: val_loss}, and the floor (or None)."""
     from infra.evaluate import read_floor, read_losses
@@ -433,9 +439,8 @@ def main(argv):
                    seeds={k: {m: [round(x[m], 4) for x in v] for m in ("iou", "iou_best")} for k, v in r.items()},
                    won=all(row[f"se_{o}"] is not None and row[f"diff_{o}"] > 2 * row[f"se_{o}"] for o in baselines))
         by_labels[n] = row
-        pm = lambda o: f"{row[f'diff_{o}']:+.3f}" + ("" if row[f"se_{o}"] is None else f" ± {row[f'se_{o}']:.3f}")  # noqa
         rows.append([n, *(f"{mean[k]['iou']:.3f} / {mean[k]['dice']:.3f} / {mean[k]['ap']:.3f}" for k in kinds),
-                     *(pm(o) for o in baselines)])
+                     *(pm(row, o) for o in baselines)])
     print(f"\nfault segmentation on {a.test} held-out volumes of {shape}; IoU / Dice / AP, means over {a.seeds} "
           f"seed(s); {a.finetune_steps} fine-tuning steps of {a.batch} crops of {a.crop}, ViT head {a.seg_head}"
           + (f"; the pretrained encoder frozen {a.freeze} steps" if a.freeze else "")
@@ -454,9 +459,8 @@ def main(argv):
         print(f"labels {n}, each model's fraction of voxels called fault at 0.5 (the faults': {faults:.3f}) / "
               "IoU at the best single threshold: "
               + ", ".join(f"{short.get(k, k)} {row['called'][k]:.3f} / {row['iou_best'][k]:.3f}" for k in kinds)
-              + "; best-threshold IoU pretrained - " + ", ".join(
-                  f"{short[o]} {row[f'best_diff_{o}']:+.3f}"
-                  + ("" if row[f"best_se_{o}"] is None else f" ± {row[f'best_se_{o}']:.3f}") for o in baselines))
+              + "; best-threshold IoU pretrained - "
+              + ", ".join(f"{short[o]} {pm(row, o, 'best_')}" for o in baselines))
     print(json.dumps({"bench": "label_efficiency", "by_labels": by_labels, "seeds": a.seeds, "seed": a.seed,
                       "pretraining": {"val_loss": round(mae_val, 4), "val_floor": round(floor, 4),
                                       "below_floor": mae_val < floor,
