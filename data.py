@@ -14,6 +14,7 @@ Seismic volumes in, training samples out.
                              (split_inline) keeps training crops off the last val_frac of each volume's
                              inline axis and puts validation crops inside it; validation samples are a
                              stream of their own (seed, validation index).
+  dead_regions(sampler, log)  start-up's look at the training regions: a WARNING for one with no live signal
   Prefetcher                 micro batches read ahead of the model's compute
   PinnedBuffers              the page-locked host buffers those batches are copied to the GPU from, reused
 """
@@ -282,6 +283,42 @@ class Sampler:
         self.sample_pool.shutdown(wait=True)
 
 
+DEAD_CHECK_STORES = 8  # the training stores dead_regions looks at (the first ones: a look, not a scan of a library)
+DEAD_CHECK_CHUNKS = 8  # chunks read from each one's training region, along its diagonal
+
+
+def dead_regions(sampler, log, stores=DEAD_CHECK_STORES, chunks=DEAD_CHECK_CHUNKS):
+    """A WARNING line (log) for each of the first `stores` training stores whose training region (its inline range,
+    split_inline's) shows no live signal in the `chunks` chunks read from it along its diagonal: every value the same
+    (all zeros, or a constant) or none finite. Crops of such a region all normalise to one number: the model learns
+    to predict it, and the loss falls to a few hundredths without anything being learnt (a run on one trained to
+    0.045, on clean data it is ~0.93). Not an error: a survey may have a dead corner, and a store is drawn among
+    others. Returns the (url, (lo, hi)) warned about. The chunks are read raw, through the reader's checks (a chunk
+    that is not seismic is its DataError here, at start-up)."""
+    import math
+    dead = []
+    for v in range(min(stores, len(sampler.records))):
+        r, (lo, hi) = sampler.records[v], sampler.inline[v]
+        ch, shape = r["chunks"], r["shape"]
+        ranges = [range(lo // ch[0], (hi - 1) // ch[0] + 1)] + [range(math.ceil(n / c)) for n, c in zip(shape[1:], ch[1:])]
+        picks = sorted({tuple(rg[int(len(rg) * f)] for rg in ranges) for f in np.linspace(0, 0.999, chunks)})
+        crops = []
+        for p in picks:  # each chunk's part inside the region
+            a = [max(i * c, b) for i, c, b in zip(p, ch, (lo, 0, 0))]
+            z = [min((i + 1) * c, e) for i, c, e in zip(p, ch, (hi,) + tuple(shape[1:]))]
+            crops.append((sampler.volume(v), tuple(a), tuple(e - b for b, e in zip(a, z))))
+        values = [x[np.isfinite(x)] for x in read_crops(crops, normalize=False)]
+        seen = np.concatenate(values) if values else np.zeros(0)
+        if seen.size == 0 or seen.min() == seen.max():
+            what = "no finite value (every trace dead)" if seen.size == 0 else f"every value {float(seen[0]):g}"
+            log(f"WARNING: data: {r['url']!r}: its training region (inlines [{lo}, {hi}) of {shape[0]}, every crossline "
+                f"and sample) has no live signal in the {len(picks)} chunks read from it ({what}: all zeros, or a "
+                f"constant): its crops teach nothing, and make the loss fall without learning. A dead corner of a "
+                f"survey is fine; a dead region is a store written wrong, or val_frac leaving the live part out")
+            dead.append((r["url"], (lo, hi)))
+    return dead
+
+
 class Prefetcher:
     """Iterator over the micro batches of steps [start, end), read `depth` micro batches ahead by a pool
     of threads so that reading and decompressing overlap the model's compute (each thread waits while its
@@ -398,6 +435,7 @@ def samplers(cfg, cp_rank, dp_rank, dp_size, log):
     # re-expanded at a relaunch may have found more; train.py warns when a resumed run's differs)
     drawn = [[r["url"] for r in stores], cfg["sample_weighting"]] + (["flip_crops"] if cfg["flip_crops"] else [])
     digest = hashlib.sha256(json.dumps(drawn).encode()).hexdigest()[:16]
+    distributed.on_rank_0(lambda: bool(dead_regions(train, log)))  # (a WARNING per dead training region; rank 0's)
     val = None
     if val_stores or held_out:
         recs = val_stores or stores

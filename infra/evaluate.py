@@ -147,7 +147,7 @@ def floor_of(job):
     def masks(ids, stream):  # the whole samples' masks: the strata decide them, not the ranks
         return model.keep_ids(M.mask_noise(cfg["seed"], ids, model.L, 0, 1, stream=stream), 0, 1).to(dev)
     train, val = job.sampler.whole(), job.val_sampler.whole()
-    try:
+    try:  # (data the floor cannot be computed on end no run: a WARNING, and no val_floor in the log)
         fit = list(range(max(1, min(floor.FIT_CROPS, floor.FIT_VOXELS // math.prod(cfg["crop"])))))
         crops = train.read(fit).to(dev)
         table = floor.covariance(crops, patch)
@@ -159,6 +159,13 @@ def floor_of(job):
             x, keep = val.read(ids).to(dev), masks(ids, "val")
             pred = floor.floor_pred(x, keep, patch, table, model.norm_pix_loss, alpha)
             total += float(floor.loss_per_sample(pred, x, keep, model).sum())
+        if not math.isfinite(total):
+            raise floor.Unsolvable(f"its loss is not finite ({total})")
+    except (floor.Unsolvable, torch.linalg.LinAlgError) as e:
+        job.log(f"WARNING: floor: not computed, skipped: {e}; the log's records have no val_floor (the validation loss "
+                f"is logged without it). Check the training data: crops with no signal, or values that are not "
+                f"seismic, give no floor")
+        return None
     finally:
         train.close()
         val.close()

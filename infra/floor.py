@@ -26,6 +26,10 @@ normalised too and scaled by one number alpha, fitted by least squares on traini
 
 The table and alpha are all it fits. Cost: about K^3 / 3 + K P multiply-adds per masked patch, once per
 run (train.py computes it at the first evaluation, on rank 0, on the whole samples: infra/evaluate.py).
+
+The floor is a yardstick beside validation, never a reason for a run to end: data it cannot be computed on (training
+crops with no signal, whose table is all zeros and whose C_vv is singular; non-finite values) raise Unsolvable,
+saying why, and evaluate.floor_of logs a WARNING and leaves val_floor out of the log.
 """
 
 import math
@@ -42,6 +46,10 @@ WHOLE_MAX = 2 ** 29  # voxels of one whole sample rank 0 reads for it (2 GB in f
 NUGGET = 1e-3  # times C(0), added to C_vv's diagonal: an estimated table is only nearly positive definite
 
 
+class Unsolvable(ArithmeticError):
+    """The floor cannot be computed on these data; the message says why (evaluate.floor_of: a WARNING, no floor)."""
+
+
 def reach(patch):
     """The lags the predictor reads along each axis: candidates lie within one patch of the masked patch,
     offsets [-p, 2p), so a lag between two of them or one of them and the patch is at most 3p - 1."""
@@ -52,6 +60,8 @@ def covariance(crops, patch):
     """crops (N, 1, Z, Y, X) float: training crops -> the covariance table (2R + 1 per axis, R = reach(patch)),
     C(d) at index d + R, float64. Lags a crop cannot measure (|d| >= its size) are 0."""
     x = crops.double()[:, 0]
+    if not bool(torch.isfinite(x).all()):
+        raise Unsolvable("the training crops it is fitted on hold non-finite values")
     x = x - x.mean()
     N, shape = x.shape[0], x.shape[1:]
     R = reach(patch)
@@ -98,6 +108,11 @@ def predict(x, ids_keep, patch, table, K=None, budget=None):
     grid = M.token_grid((Z, Y, X), patch)
     L, P = math.prod(grid), math.prod(patch)
     K = K or min(K_MAX, 4 * P)
+    if not bool(torch.isfinite(table).all()) or not float(table[tuple(reach(patch))]) > 0:
+        raise Unsolvable(f"the covariance table is {'not finite' if not bool(torch.isfinite(table).all()) else 'zero'}"
+                         f" at lag 0 (training crops with no signal: every voxel the same)")
+    if not bool(torch.isfinite(x).all()):
+        raise Unsolvable("the samples it predicts hold non-finite values")
     table = table.to(dev)
     R = torch.tensor(reach(patch), device=dev)
     S = [2 * r + 1 for r in reach(patch)]
@@ -138,7 +153,10 @@ def predict(x, ids_keep, patch, table, K=None, budget=None):
         eye = torch.eye(K, device=dev, dtype=torch.bool)
         Cvv = torch.where(both, Cvv, 0.0) + torch.where(eye, torch.where(here, NUGGET * c0, 1.0)[:, :, None], 0.0)
         Cvm = tflat[fs[:, :, None] - f_box[None, None, :] + f_R] * here[:, :, None]  # (m, K, P)
-        a = torch.linalg.solve(Cvv, v[..., None])  # (m, K, 1): C_vv^-1 v, one right-hand side
+        a, info = torch.linalg.solve_ex(Cvv, v[..., None])  # (m, K, 1): C_vv^-1 v, one right-hand side
+        if bool((info != 0).any()):  # (solve_ex reports a singular C_vv where solve would raise a raw LinAlgError)
+            raise Unsolvable(f"C_vv of {int((info != 0).sum())} masked patch(es) is singular (the covariance table "
+                             f"is not positive definite even with the nugget)")
         out[b, t] = (Cvm * a).sum(1)  # c_vm^T C_vv^-1 v
     return out
 

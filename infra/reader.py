@@ -19,6 +19,14 @@ this design 88-91 / 88-90 / 82-84 / 82-83 % (two runs).
 Normalisation uses per-volume statistics from the store's metadata (not per sample): the amplitude
 scale of a survey carries meaning, and inference must normalise the same way. Dead traces are stored
 as NaN (MDIO's fill value) and become 0 after normalisation, i.e. the volume mean.
+
+Data that decodes but is not seismic is refused where it is read. A store without a codec (uncompressed Zarr) has
+nothing to notice damaged bytes: a chunk of random bytes decodes to float32 values up to ~1e38, which would make the
+estimated std enormous (every clean crop then normalises to ~0 and the loss looks wonderful), or, in a crop, a few
+voxels 1e30 std out. So a float store's values must lie within GARBAGE_STD std of its mean (every crop: two
+vectorised reductions, value_limits), and the chunks sampled for estimated statistics within GARBAGE_STD times their
+median magnitude (a robust scale one bad chunk among them cannot move); else one DataError names the store and the
+chunk. An integer store cannot hold a value beyond its type's range: it is not checked.
 """
 
 import asyncio
@@ -333,6 +341,25 @@ def _stats_from(mean, std, what):
     return float(mean), float(std)
 
 
+# How far from a store's mean (in its std) a value may lie before it is not seismic amplitude but damaged bytes. By
+# Chebyshev at most 1 / GARBAGE_STD^2 = 1e-8 of a volume's values can lie beyond it, whatever their distribution:
+# real amplitudes (bright spots, a few hundred std at most) are far inside; random bytes read as float32 are
+# beyond it four times in ten.
+GARBAGE_STD = 1e4
+
+
+def value_limits(dtype, mean, std):
+    """[lo, hi]: the values a store of this dtype and statistics may hold (GARBAGE_STD std about its mean); None for
+    an integer store (any value of its type may be real: damaged bytes cannot be told from it)."""
+    if not np.issubdtype(np.dtype(dtype), np.floating):
+        return None
+    return mean - GARBAGE_STD * std, mean + GARBAGE_STD * std
+
+
+NOT_SEISMIC = ("it decodes but is not seismic amplitude (bytes damaged in a store without a codec to notice, or written "
+               "wrong): write the store again from its source, or drop it from data_paths (or its manifest)")
+
+
 def _no_live(what, mask):
     if mask is not None and mask.size and not mask.any():
         raise DataError(f"{what}: every one of its {mask.size:,} traces is dead (its trace mask has none live); "
@@ -361,6 +388,7 @@ class Volume:
                      + NOT_TRANSIENT)
         self.shape, self.chunks = tuple(self.arr.shape), tuple(self.arr.chunks)
         self.decode = chunk_decoder(self.arr)  # None: a layout zarr's own pipeline reads
+        self.limits = value_limits(self.arr.dtype, self.mean, self.std)  # every crop's values lie within (_finish)
         if record is not None:  # the store must still be the one indexed
             now, then = self.describe(), record
             differ = [k for k in ("shape", "chunks", "format", "dtype") if now[k] != then[k]] + [
@@ -418,10 +446,11 @@ class Volume:
                 mean = total / count
                 self.mean, self.std = _stats_from(mean, math.sqrt(max(squares / count - mean ** 2, 0)), url)
 
-    def variable(self, name):
+    def variable(self, name, option="label_var"):
         """Another variable of this MDIO v1 store on the same (inline, crossline, time) grid, read as this one is
         (requests, retries, the decoder) but never normalised: the labels that fine-tuning reads (`fault`, a facies
-        volume). Its values come back as float32 (class indices, exact up to 2^24)."""
+        volume). Its values come back as float32 (class indices, exact up to 2^24). option: what the caller calls
+        the name, for its error (train.py's label_var, predict's --score)."""
         cached = self.variables.get(name)
         if cached is not None:
             return cached
@@ -431,7 +460,7 @@ class Volume:
                 if group is not None else []
             raise DataError(f"{self.url!r} has no label variable {name!r} (it has {have or 'no other variable'}): "
                             f"fine-tuning (task='segment') reads an integer class volume beside the amplitude of an "
-                            f"MDIO v1 store; set label_var to one of them, or write the labels into the store")
+                            f"MDIO v1 store; set {option} to one of them, or write the labels into the store")
         other = copy.copy(self)
         other.arr, other.record, other.bytes_read = group[name], None, 0
         if tuple(other.arr.shape) != self.shape:
@@ -440,7 +469,7 @@ class Volume:
         if not np.issubdtype(other.arr.dtype, np.integer) and other.arr.dtype != np.bool_:
             raise DataError(f"{self.url!r}: label variable {name!r} is {other.arr.dtype}; class labels are integers")
         other.chunks, other.decode = tuple(other.arr.chunks), chunk_decoder(other.arr)
-        other.mean, other.std, other.variables = 0.0, 1.0, {}
+        other.mean, other.std, other.variables, other.limits = 0.0, 1.0, {}, None  # (class indices: integers)
         self.variables[name] = other
         return other
 
@@ -458,28 +487,50 @@ class Volume:
 
     def _estimate_stats(self):
         """Mean/std over 8 chunks along the volume's diagonal (a plain array carries no statistics); where those hold
-        no finite value (dead traces), over up to 72 spread through it before the volume is called empty."""
+        no finite value (dead traces), over up to 72 spread through it before the volume is called empty. A chunk
+        among them that is not seismic is refused first (_check_sampled), naming it."""
         grid = [math.ceil(s / c) for s, c in zip(self.arr.shape, self.arr.chunks)]
-        n_chunks, seen, vals = math.prod(grid), set(), np.zeros(0)
+        n_chunks, seen, read = math.prod(grid), set(), []  # read: (chunk coords, its finite values), in read order
         for first in (True, False):  # 8 along the diagonal (the estimate a run on it has always had), then up to
             # 72 spread evenly through the volume in C order (every one when there are few)
             picks = ({tuple(int(g * f) for g in grid) for f in np.linspace(0, 0.999, 8)} if first else
                      {tuple(int(i) for i in np.unravel_index(k, grid))
                       for k in np.linspace(0, n_chunks - 1, min(72, n_chunks)).round().astype(int)}) - seen
             seen |= picks
-            vals = np.concatenate([vals] + [self._read_chunk_region(p, tuple(
-                slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(p, self.arr.chunks, self.arr.shape))).ravel()
-                for p in sorted(picks)]).astype(np.float64)
-            vals = vals[np.isfinite(vals)]
-            if vals.size or len(seen) == n_chunks:
+            for p in sorted(picks):
+                v = self._read_chunk_region(p, tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(
+                    p, self.arr.chunks, self.arr.shape))).ravel()
+                with np.errstate(invalid="ignore"):  # (damaged bytes may be signalling NaNs: numpy warns casting them)
+                    v = v.astype(np.float64)
+                read.append((p, v[np.isfinite(v)]))
+            if any(v.size for _, v in read) or len(seen) == n_chunks:
                 break
+        vals = np.concatenate([v for _, v in read]) if read else np.zeros(0)
         if vals.size == 0:
             every = len(seen) == n_chunks
             raise DataError(f"{self.url!r}: no finite value in {'any' if every else f'the {len(seen)}'} of its "
                             f"{n_chunks} chunks{'' if every else ' read'} (all NaN: every trace dead); "
                             + (NOTHING_TO_TRAIN if every else "if it holds live data elsewhere, give the array 'mean' "
                                "and 'std' attributes, else " + NOTHING_TO_TRAIN.split(": ", 1)[1]))
+        if np.issubdtype(self.arr.dtype, np.floating):
+            self._check_sampled(read)
         return _stats_from(vals.mean(), vals.std(), self.url)
+
+    def _check_sampled(self, read):
+        """The chunks sampled for the statistics [(coords, finite values)]: one whose largest magnitude is more than
+        GARBAGE_STD times the scale of them all (the median over chunks of each one's median nonzero magnitude: a
+        robust scale, which one damaged chunk among them cannot move, as it would move their std) is a DataError
+        naming it. Zeros are left out of the scale (a muted or dead zone stored as 0 would make it 0)."""
+        scales = [float(np.median(np.abs(v[v != 0]))) for _, v in read if np.any(v != 0)]
+        if not scales:
+            return  # every value 0: _stats_from says so
+        scale = float(np.median(scales))
+        for p, v in read:
+            top = float(np.abs(v).max()) if v.size else 0.0
+            if top > GARBAGE_STD * scale:
+                raise DataError(f"{self.url!r}: chunk {self.chunk_key(p)!r} holds values up to {top:.3g} in magnitude, "
+                                f"{top / scale:.3g} times the median magnitude {scale:.3g} of the {len(read)} chunks "
+                                f"read for its statistics (seismic stays within {GARBAGE_STD:g} times): {NOT_SEISMIC}")
 
     def chunk_key(self, coords):
         """The storage key of chunk `coords`, e.g. 'amplitude/c/0/1/2' (v3) or 'data/chunked_012/0.1.2' (v2)."""
@@ -517,9 +568,7 @@ class Volume:
             ranges = [range(o // c, (o + n - 1) // c + 1) for o, n, c in zip(origin, shape, self.chunks)]
             await asyncio.gather(*(self._chunk_into(out, origin, coords, loop) for coords in itertools.product(*ranges)))
             self.bytes_read += out.size * 4
-            if not normalize and out.dtype == np.float32:
-                return out
-            return await loop.run_in_executor(self.opts.pool, self._normalize, out, normalize)
+            return await loop.run_in_executor(self.opts.pool, self._finish, out, origin, normalize)
         # any other layout: zarr's own read. The crop's memory is first touched in the pool, not on the loop: a
         # fresh buffer page-faults on first touch (the kernel zeroes each page), which made zarr's copy of each
         # decoded chunk into it, on the loop, cost as much as the decompression (profiled: half the loop's time)
@@ -542,10 +591,8 @@ class Volume:
                 out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin))] = await self._achunk(
                     coords, tuple(slice(a, b) for a, b in zip(lo, hi)))
         self.bytes_read += out.size * 4
-        if not normalize and out.dtype == np.float32:
-            return out
         # off the loop: a big crop's arithmetic must not hold up the other crops' requests
-        return await loop.run_in_executor(self.opts.pool, self._normalize, out, normalize)
+        return await loop.run_in_executor(self.opts.pool, self._finish, out, origin, normalize)
 
     async def _chunk_into(self, out, origin, coords, loop):
         """Chunk `coords`'s part of the crop at `origin`, into out: the GET on the loop (RequestStore: a place among
@@ -570,9 +617,32 @@ class Volume:
         except (PermissionError, FileNotFoundError) as e:  # access denied mid-run: named, not a raw traceback
             raise DataError(f"reading chunk {key!r} of {self.url!r}: {e}") from e
 
+    def _finish(self, out, origin, normalize):
+        """The crop at `origin` as read -> as aread returns it: its values checked (_check_values), then normalised."""
+        self._check_values(out, origin)
+        if not normalize and out.dtype == np.float32:
+            return out
+        return self._normalize(out, normalize)
+
+    def _check_values(self, out, origin):
+        """A crop of a float store with a value outside self.limits (GARBAGE_STD std about the mean; an inf too) is a
+        DataError naming the chunk that holds it. Two vectorised reductions (fmin / fmax skip NaN, the dead traces);
+        only a crop that fails is searched for the voxel."""
+        if self.limits is None or out.size == 0:
+            return
+        lo, hi = self.limits
+        if not (np.fmin.reduce(out, axis=None) < lo or np.fmax.reduce(out, axis=None) > hi):
+            return  # (NaN compares False: an all-dead crop passes)
+        bad = np.unravel_index(int(np.argmax((out < lo) | (out > hi))), out.shape)
+        value, where = float(out[bad]), tuple(int(o + i) for o, i in zip(origin, bad))
+        key = self.chunk_key([w // c for w, c in zip(where, self.chunks)])
+        raise DataError(f"{self.url!r}: chunk {key!r} holds {value:.3g} at voxel {where}, "
+                        f"{abs(value - self.mean) / self.std:.3g} std from the store's mean {self.mean:.4g} (std "
+                        f"{self.std:.4g}; seismic stays within {GARBAGE_STD:g}): {NOT_SEISMIC}")
+
     def _normalize(self, out, normalize=True):
-        """float32; with normalize, (x - mean) / std in place, dead traces (NaN) -> 0 (an inf is bad data and is left
-        to fail loudly: a non-finite loss)."""
+        """float32; with normalize, (x - mean) / std in place, dead traces (NaN) -> 0 (an inf never gets here: it is
+        outside the limits, _check_values)."""
         out = out.astype(np.float32, copy=False)
         if normalize:
             np.subtract(out, np.float32(self.mean), out=out)
