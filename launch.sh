@@ -37,7 +37,8 @@
 # lead), and REQUEUE=1 makes a job stopped by that warning requeue itself (scontrol requeue) to go on in a new
 # allocation (a SIGTERM stop, from scancel or preemption, never requeues from here).
 # When the ranks fail, the last line repeats the first `error:` line any rank printed (the cause, not the
-# traceback of a rank that lost its peer).
+# traceback of a rank that lost its peer), and this script exits with that rank's code (infra/cli.py: 2 bad input,
+# 3 diverged, 4 refused), not torchrun's 1.
 #
 # Knobs: NPROC (ranks per node; default: the config's gpus_per_node, else every GPU, else 2 on CPU),
 # THREADS (CPU threads per rank), PYTHON (interpreter; default python3 on PATH), PORT (rendezvous, 29500),
@@ -219,7 +220,8 @@ node_cmd() {  # $1 = head address, then train.py's arguments
 # SIGINT (exit code 130 to the shell, and a shell loop around it stops too).
 run_ranks() {  # the torchrun command line
   rm -f "$STOP_FILE"  # the ranks write it after a stop's checkpoint (a command's tiles) is complete
-  MAE_ERROR_FILE=$(mktemp "${TMPDIR:-/tmp}/mae_errors.XXXXXX")  # each failing rank appends its first line
+  # each failing rank appends "CODE LINE": the exit code it ends with and its first line (infra/cli.py note_error)
+  MAE_ERROR_FILE=$(mktemp "${TMPDIR:-/tmp}/mae_errors.XXXXXX")
   export MAE_ERROR_FILE MAE_LAUNCHER=launch.sh  # (under launch.sh a rank that stopped cleanly exits 0, not 75)
   if [ "$COMMAND" = 1 ]; then export MAE_STOPPED=$STOP_FILE; fi
   export PET_SIGNALS_TO_HANDLE=SIGHUP,SIGQUIT
@@ -236,8 +238,12 @@ run_ranks() {  # the torchrun command line
   wait "$pid" 2>/dev/null || rc=$?  # bash keeps the status of a child it reaped
   trap - TERM USR1
   trap '' INT  # (from here to the end: the last line is being said)
-  # the first rank's line; one that only lost a peer (on another node) comes after any rank's own reason
+  # the first rank's line; one that only lost a peer (on another node) comes after any rank's own reason. Its code
+  # is what this script ends with: torchrun reports any failed rank as 1, whether bad input (2), a diverged run (3)
+  # or a refusal (4)
   first=$(grep -v -m1 'lost a peer' "$MAE_ERROR_FILE" || sed -n 1p "$MAE_ERROR_FILE"); rm -f "$MAE_ERROR_FILE"
+  local code=1
+  if [[ "$first" =~ ^([0-9]+)\ (.*)$ ]]; then code=${BASH_REMATCH[1]}; first=${BASH_REMATCH[2]}; fi
   if [ -s "$STOP_FILE" ]; then
     echo "launch.sh: $(cat "$STOP_FILE")" >&2
     if [ "$INTS" -gt 0 ]; then return 130; fi
@@ -251,6 +257,7 @@ run_ranks() {  # the torchrun command line
   fi
   if [ "$rc" -ne 0 ]; then
     echo "${first:-error: the ranks failed (torchrun exit $rc) and none printed an error: line; the first traceback above is the cause}" >&2
+    if [ -n "$first" ]; then rc=$code; fi
   fi
   return "$rc"
 }

@@ -7,12 +7,13 @@ A command's (inline, crossline, time) options are read by triple(), its other ch
 
 Exit codes: 0 done; 2 bad input (configurator.ConfigError, reader.DataError, a ring that disagrees with
 PyTorch's: infra/torch_cp.py's CPMismatchError; another live run in out_dir: lease.LeaseHeld); 3 a diverged run
-(FloatingPointError); 4 the run's surroundings refused it (checkpoint.StorageError: no space, over quota, read-only;
+(FloatingPointError); 4 the run's surroundings refused it (outputs.StorageError: no space, over quota, read-only;
 lease.LeaseLost: another run took out_dir over); train.py's stopped-at-a-checkpoint code (stop.RESUMABLE, 75)
 passes through. Under torchrun only rank 0 prints the line (every rank would say the same; the others give it
 time to, see run). Under launch.sh (MAE_ERROR_FILE set) every failing rank also appends its first line to that
-file, so that launch.sh ends with the first rank's reason rather than with torchrun's traceback; a bug (any other
-exception) is noted there too and then raised, traceback and all.
+file, after the exit code it ends with ("2 error: ..."), so that launch.sh ends with the first rank's reason rather
+than with torchrun's traceback, and with that rank's code rather than torchrun's 1 (torchrun reports any failed
+rank as 1); a bug (any other exception) is noted there too, as 1, and then raised, traceback and all.
 """
 import gc
 import os
@@ -24,8 +25,8 @@ import torch
 
 from configurator import ConfigError
 from infra import distributed, stop
-from infra.checkpoint import StorageError
 from infra.lease import LeaseLost
+from infra.outputs import StorageError
 from infra.reader import DataError
 from infra.torch_cp import CPMismatchError
 
@@ -74,12 +75,13 @@ def read_options(a):
                        timeout_s=a.read_timeout_s)
 
 
-def note_error(line):
-    """One line appended to launch.sh's MAE_ERROR_FILE (O_APPEND: the ranks' lines do not interleave)."""
+def note_error(line, code):
+    """One line appended to launch.sh's MAE_ERROR_FILE, "CODE LINE": the exit code this rank ends with, then its line
+    (O_APPEND, one write: the ranks' lines do not interleave, and each code stays with its line)."""
     path = os.environ.get("MAE_ERROR_FILE")
     if path:
         with open(path, "a") as f:
-            f.write(line.replace("\n", " ") + "\n")
+            f.write(f"{code} " + line.replace("\n", " ") + "\n")
 
 
 def run(main, argv, interrupted="nothing of this command's was left half-written"):
@@ -92,13 +94,14 @@ def run(main, argv, interrupted="nothing of this command's was left half-written
     except KeyboardInterrupt as e:  # a Ctrl-C (infra/stop.py)
         line = str(e) if str(e) else f"interrupted (Ctrl-C): {interrupted}"
         if rank == "0":  # (every rank got it: rank 0 says it for all; launch.sh repeats its line last)
-            note_error(line)
+            note_error(line, INTERRUPTED)
             print(line, file=sys.stderr, flush=True)
         rc = INTERRUPTED
     except BAD_INPUT + REFUSED + (FloatingPointError,) as e:  # nothing is half-written: one line says why
         why = " ".join(str(e).split())  # one line, even where the cause quoted a library's multi-line message
         line = f"error: {why}" if rank == "0" else f"error: (rank {rank}) {why}"
-        note_error(line)
+        rc = 3 if isinstance(e, FloatingPointError) else 4 if isinstance(e, REFUSED) else 2
+        note_error(line, rc)
         if rank != "0" and isinstance(e, BAD_INPUT) and os.environ.get("TORCHELASTIC_RUN_ID"):
             # Every rank checks the same input and rank 0 says it for all, but torchrun ends the other ranks as soon
             # as one exits: had this rank exited first, rank 0 would be killed before its line (seen: a bad crop
@@ -108,12 +111,11 @@ def run(main, argv, interrupted="nothing of this command's was left half-written
             print(line, file=sys.stderr, flush=True)
         elif rank == "0" or (isinstance(e, REFUSED) and not getattr(e, "agreed", False)):  # (one rank's alone)
             print(line, file=sys.stderr, flush=True)
-        rc = 3 if isinstance(e, FloatingPointError) else 4 if isinstance(e, REFUSED) else 2
     except Exception as e:  # a bug, or a failure of a peer: the traceback follows; launch.sh names the first
         if stop.interrupted:  # a peer stopped at once by the same Ctrl-C (its line is rank 0's): not a failure
             if rank == "0":
                 line = "interrupted (Ctrl-C): stopped at once, as the other ranks did"
-                note_error(line)
+                note_error(line, INTERRUPTED)
                 print(line, file=sys.stderr, flush=True)
             return finish(INTERRUPTED)
         why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
@@ -124,12 +126,12 @@ def run(main, argv, interrupted="nothing of this command's was left half-written
             line = (f"error: rank {dead[0][0]} (pid {dead[0][1]}) died first, without an error of its own (killed by "
                     f"a signal: kill -9, the out-of-memory killer, a crash in native code); rank {rank} lost it: {why}")
             if not already_noted():  # (a rank that failed with an error of its own has said it first)
-                note_error(line)
+                note_error(line, 1)
             print(line, file=sys.stderr, flush=True)
             return finish(1)
         elsewhere = lost and len(distributed.siblings) < int(os.environ.get("WORLD_SIZE", "1")) - 1
         note_error(f"error: (rank {rank}) " + ("lost a peer on another node (that node's log names the rank that "
-                                               "died first): " if elsewhere else "") + why)
+                                               "died first): " if elsewhere else "") + why, 1)
         raise
     return finish(rc)
 

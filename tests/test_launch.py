@@ -96,6 +96,19 @@ def _rank_of(pid):
     return env.get("RANK") if env.get("TORCHELASTIC_RUN_ID") else None
 
 
+def test_a_ranks_own_exit_code_and_error_line_are_launch_shs(tmp_path):
+    """Bad input that only the ranks can find (a data path that does not exist: the dry run reads no data) ends the
+    ranks with exit code 2, which torchrun reports as 1 whatever the rank's code; launch.sh ends with the rank's own
+    code (recorded with its line in MAE_ERROR_FILE), and the rank's error line is the last line, below torchrun's
+    report."""
+    r = launch(["config/quickstart.py", f"--data_paths=['{tmp_path / 'missing.mdio'}']", "--make_synthetic=False",
+                f"--out_dir={tmp_path / 'run'}"], NPROC="2")
+    last = (r.stdout + r.stderr).strip().splitlines()[-1]
+    assert "ChildFailedError" in r.stderr, r.stderr[-3000:]  # (torchrun did see a failed rank, and said so above)
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert last.startswith("error: ") and f"'{tmp_path / 'missing.mdio'}' does not exist" in last, last
+
+
 def test_killed_rank_stops_the_job_and_relaunch_resumes(small_store, tmp_path):
     args = ["config/quickstart.py", *small_args(small_store, tmp_path, max_steps=400, ckpt_interval=5),
             "--make_synthetic=False"]

@@ -160,8 +160,8 @@ def test_a_second_ctrl_c_stops_at_once_and_names_the_newest_checkpoint(small_sto
     assert p.wait(timeout=60) == 0  # (ranks under launch.sh exit 0: it says how the run ended)
     out = open(tmp_path / "out.log").read()
     assert "Traceback" not in out, out[-3000:]
-    assert errors.read_text().splitlines()[0] == (
-        f"interrupted (Ctrl-C) at once, without a checkpoint of the steps since the last one; {d}/ckpt/step_0000010 "
+    assert errors.read_text().splitlines()[0] == (  # (the code rank 0 ends with, then its line: launch.sh's last)
+        f"130 interrupted (Ctrl-C) at once, without a checkpoint of the steps since the last one; {d}/ckpt/step_0000010 "
         f"is the newest complete checkpoint: run the same command again to resume from it"), errors.read_text()
     assert [s for s, _ in checkpoint.complete_checkpoints(str(d / "ckpt"))] == [10]
     assert not (d / "STOPPED").exists() and not (d / "LEASE").exists()
