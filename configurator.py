@@ -7,7 +7,7 @@ them, nanoGPT style, without magic beyond exec.
 defaults() is a fresh dict of the block below (train.py's config; the planner and the benches start from it
 too). apply() runs each config file (plain Python that assigns names) and then each --key=value, in
 command-line order, and checks every change:
-  * the key must exist below (a typo must not silently do nothing);
+  * the key must exist below (a typo must not silently do nothing; the error names the keys spelled like it);
   * the value must have the default's type (an int is accepted where a float is expected).
 Values are parsed with ast.literal_eval, so --crop=(64,64,64) is a tuple and --data_paths=['a','b'] a
 list; a value that does not parse is taken as a string (--out_dir=out/run1). What a value may be (ranges,
@@ -17,6 +17,7 @@ combinations) is check_config's job, at the end of this file: every key's check 
 import ast
 import builtins
 import copy
+import difflib
 import importlib
 import math
 
@@ -138,8 +139,12 @@ def need(ok, msg):
 
 def _check(cfg, key, value, where):
     if key not in cfg:
-        close = [k for k in cfg if k.split("_")[0] == key.split("_")[0]][:5]
-        raise ConfigError(f"unknown config key {key!r} ({where}); known keys like it: {close or sorted(cfg)[:10]}")
+        # the keys spelled most like it (a typo: mak_steps -> max_steps), then those of its family (eval_...)
+        close = difflib.get_close_matches(key, list(cfg), n=3, cutoff=0.6)
+        close += [k for k in cfg if k.split("_")[0] == key.split("_")[0] and k not in close]
+        hint = (f"did you mean {' or '.join(close[:5])}?" if close else
+                "no known key is like it: every key, its default and meaning are at the top of configurator.py")
+        raise ConfigError(f"unknown config key {key!r} ({where}); {hint}")
     default = cfg[key]
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)

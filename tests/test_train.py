@@ -140,6 +140,18 @@ def test_unknown_key_and_wrong_type():
     assert configurator.apply(cfg_of(), ["--crop=(32,32,64)"])["crop"] == (32, 32, 64)
 
 
+def test_a_mistyped_key_suggests_the_keys_spelled_like_it():
+    """A typo names the key it was meant to be, whatever its first word (mak_steps shares no prefix with max_steps:
+    the list once showed the first ten keys alphabetically); a key like none of them says where the keys are."""
+    with pytest.raises(configurator.ConfigError) as e:
+        configurator.apply(cfg_of(), ["--mak_steps=5"])
+    assert "unknown config key 'mak_steps' (from --mak_steps=5); did you mean max_steps" in str(e.value), e.value
+    with pytest.raises(configurator.ConfigError) as e:
+        configurator.apply(cfg_of(), ["--zqxv=5"])
+    assert str(e.value) == ("unknown config key 'zqxv' (from --zqxv=5); no known key is like it: every key, its default "
+                            "and meaning are at the top of configurator.py"), e.value
+
+
 def test_validation_errors(small_store):
     with pytest.raises(configurator.ConfigError, match="not divisible by patch"):
         configurator.check_config(cfg_of(crop=(20, 16, 16), patch=(8, 8, 8)))
@@ -154,6 +166,7 @@ def test_validation_errors(small_store):
 
 @pytest.mark.parametrize("extra,expect", [
     (["--max_step=3"], "unknown config key 'max_step'"),
+    (["--mak_steps=3"], "unknown config key 'mak_steps' (from --mak_steps=3); did you mean max_steps"),
     (["--micro_batch=2.5"], "'micro_batch'"),
     (["--crop=(20,16,32)"], "not divisible by patch"),
     (["--crop=(16,16,128)"], "larger than the volume"),
