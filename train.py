@@ -56,9 +56,11 @@ from model import build_model, configure_optimizers, mask_noise
 
 def check(cfg):
     """Every bad input that can be found before any work: each key's value (configurator.check_config), then the
-    folder the run writes into (an existing file, a store it reads: infra/outputs.py)."""
+    folder the run writes into (an existing file, a store it reads: infra/outputs.py) and its ckpt/ (a read-only one,
+    say a copy kept from another machine, would lose every step until the first checkpoint failed)."""
     configurator.check_config(cfg)
     outputs.check_dir(cfg["out_dir"], "out_dir")
+    outputs.check_dir(os.path.join(cfg["out_dir"], "ckpt"), "out_dir/ckpt")
     outputs.refuse_inside(cfg["out_dir"], [p for p in cfg["data_paths"] + cfg["val_paths"] if not p.startswith("@")],
                           "out_dir")
 

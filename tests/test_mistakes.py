@@ -288,6 +288,26 @@ def test_out_dir_problems_are_one_line_each(small_store, tmp_path):
         subprocess.run(["umount", "-l", str(tmp_path)], check=False)
 
 
+def test_a_read_only_or_misplaced_ckpt_folder_is_refused_at_start(small_store, tmp_path):
+    """out_dir/ckpt is where the run's checkpoints go: a read-only one (a real read-only file system mounted there: as
+    root, chmod would not stop a write) or a file in its place is refused before any step, in one line naming
+    ckpt/, rather than found at the first checkpoint with every step since the start lost."""
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(run / "ckpt")], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("a read-only file system needs root to mount")
+    try:
+        one_error_line(run_train(small_args(small_store, run)), f"out_dir/ckpt='{run / 'ckpt'}' is read-only here")
+    finally:
+        subprocess.run(["umount", "-l", str(run / "ckpt")], check=False)
+    assert not (run / "log.jsonl").exists()  # refused before the first step
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "ckpt").write_text("x")
+    one_error_line(run_train(small_args(small_store, other)), f"out_dir/ckpt='{other / 'ckpt'}' is a file")
+
+
 def test_synthetic_chunks_of_zero_is_one_line_and_leaves_no_store(tmp_path):
     r = command("train.py", "config/quickstart.py", f"--data_paths=['{tmp_path / 'q.mdio'}']",
                 f"--out_dir={tmp_path / 'out'}", "--synthetic_chunks=(0,0,0)")
