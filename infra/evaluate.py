@@ -133,7 +133,10 @@ def floor_of(job):
     without validation): {"val_floor": the mean over validation samples 0..eval_samples-1 of the floor's masked loss
     on exactly their masks, "floor_alpha"}. The covariance table and alpha are fitted on the training
     stream's first floor.FIT_CROPS crops and their masks. Samples are read whole (under cp a rank holds a slab, and a
-    masked patch at its border reads its neighbour's voxels); the masks are the ones the cp ranks' shares make up."""
+    masked patch at its border reads its neighbour's voxels); the masks are the ones the cp ranks' shares make up.
+    Data the floor cannot be computed on (floor.Unsolvable: training crops with no signal, non-finite values) end no
+    run: a WARNING says why and it returns None, so the records carry no val_floor (floor_words and read_floor take
+    its absence)."""
     from infra import floor
     cfg, model = job.cfg, job.model
     if job.rank != 0 or cfg["task"] != "mae" or job.val_sampler is None:
