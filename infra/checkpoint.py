@@ -45,7 +45,7 @@ import torch
 
 import configurator
 from infra.distributed import on_rank_0
-from infra.outputs import fsync_dir, fsync_tree  # (checkpoint's own names too: tests wrap them)
+from infra.outputs import StorageError, fsync_dir, fsync_tree  # (checkpoint's own names too: tests wrap them)
 from model import head_counts
 
 
@@ -90,12 +90,6 @@ def move_aside(ckpt_dir, tag, why, log=print):
     log(f"WARNING: checkpoint {ckpt_dir}/{tag} {why}. Moved aside to {ckpt_dir}/{aside} (kept); trying the "
         f"checkpoint before it.")
     return aside
-
-
-class StorageError(OSError):
-    """The file system refused a checkpoint (no space, over quota, read-only): not damage, and not a bug. agreed: every
-    rank raises it (found before the write), so rank 0 alone needs to say it."""
-    agreed = False
 
 
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)

@@ -6,6 +6,14 @@ One run per out_dir: a lease that the run's rank 0 takes before any work and kee
     Lease.refresh()             at step boundaries (infra/ops.py: at most once a second) and around every
                                 checkpoint write: its mtime; LeaseLost if it is not ours
     Lease.release()             the run's end (clean, stopped, failed on rank 0, or its launcher killed)
+    for_output(path, what, log) -> Lease   a command's lease on its output (predict's, embed's): PATH.lease
+
+The same lease guards a command's output (scripts/predict.py, scripts/embed.py): two commands into one --out both
+compute everything and then collide in its arrays, so the second is refused naming the first. Its file is the
+output's path with ".lease" added (beside the store, a file of the command's own; with predict's --variable,
+STORE.VARIABLE.lease), held by rank 0 from before the output is looked at until the command ends, and refreshed
+after every tile or window written. Local paths and shared file systems only: an object store has no
+create-exclusive that every S3-compatible store honours, so an s3:// output is not leased.
 
 Why: two runs in one out_dir (a double sbatch, a requeue racing a manual relaunch, an auto-resume while the old job
 still drains) both resume, both append to log.jsonl, and each one's checkpoint rotation and leftover cleanup deletes
@@ -38,6 +46,7 @@ Taking it:
 import json
 import os
 import socket
+import sys
 import time
 import uuid
 
@@ -103,7 +112,7 @@ def stale_after_s(holder, cfg, out_dir):
     """Seconds without a refresh after which the holder's lease is stale: lease_stale x the time between two of its
     refreshes (log_interval steps at the step time measured last, else the planner's, plus an evaluation and a
     checkpoint write), and never less than lease_min_s."""
-    step_s = _measured_step_s(out_dir)
+    step_s = None if cfg.get("lease_of") else _measured_step_s(out_dir)  # (a command's output: its own gap_s)
     gap = holder.get("gap_s") or 0.0  # the holder's own estimate: log_interval x the planner's step + eval + ckpt
     if step_s is not None:
         gap = holder.get("log_interval", cfg["log_interval"]) * step_s + holder.get("eval_ckpt_s", 0.0)
@@ -152,6 +161,11 @@ def _describe(holder, age):
 
 
 def _held(path, holder, age, cfg):
+    if cfg.get("lease_of"):  # a command's output (for_output)
+        return LeaseHeld(
+            f"{cfg['lease_of']} is being written by another command ({_describe(holder, age)}): two commands into "
+            f"one output compute everything twice and collide in its arrays. Wait for it to end (or stop it: kill "
+            f"that pid), or give another output; if that command is certainly gone, remove {path}")
     return LeaseHeld(
         f"out_dir {cfg['out_dir']} is in use by another run ({_describe(holder, age)}): two runs in one out_dir "
         f"delete each other's checkpoints. Wait for it to end, stop it (scancel, or kill that pid), or use another "
@@ -184,6 +198,13 @@ class Lease:
                             f"lease_stale if this run was only slow)")
         os.utime(self.path)
 
+    def expect(self, gap_s):
+        """Say (in the lease) that refreshes come gap_s apart: a command's measured time per tile, so that another
+        host does not judge a slow command's lease stale after lease_min_s."""
+        self.refresh()
+        self.me = {**self.me, "gap_s": float(gap_s)}
+        _write(self.path, self.me, exclusive=False)
+
     def release(self):
         """Remove the lease, if it is still ours (never another run's)."""
         if self._ours():
@@ -209,13 +230,14 @@ def _write(path, me, exclusive):
         os.replace(tmp, path)
 
 
-def acquire(cfg, log, gap_s=0.0, eval_ckpt_s=0.0):
+def acquire(cfg, log, gap_s=0.0, eval_ckpt_s=0.0, path=None):
     """Rank 0: take out_dir's lease (see the top of this file). gap_s: the planner's time between two refreshes
     (log_interval steps, an evaluation, a checkpoint), eval_ckpt_s: its evaluation and checkpoint part; both only
-    help another run judge this lease stale when it cannot see this process."""
+    help another run judge this lease stale when it cannot see this process. path: the lease file (for_output's),
+    else out_dir/LEASE."""
     out_dir = cfg["out_dir"]
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, NAME)
+    path = path or os.path.join(out_dir, NAME)
     me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _start_time(os.getpid()),
           "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""), "started": time.time(), "id": uuid.uuid4().hex,
           "log_interval": cfg["log_interval"], "gap_s": gap_s, "eval_ckpt_s": eval_ckpt_s}
@@ -241,7 +263,7 @@ def acquire(cfg, log, gap_s=0.0, eval_ckpt_s=0.0):
                     continue
             except FileNotFoundError:
                 continue
-            raise LeaseHeld(f"out_dir {out_dir}: another run is taking over the stale lease of "
+            raise LeaseHeld(f"{cfg.get('lease_of') or 'out_dir ' + out_dir}: another run is taking over the stale lease of "
                             f"{_describe(holder, age)} right now ({claim}): use another out_dir, or wait and look")
         try:
             again, _ = _read(path)
@@ -252,5 +274,18 @@ def acquire(cfg, log, gap_s=0.0, eval_ckpt_s=0.0):
             os.remove(claim)
         log(f"WARNING: took over the stale lease on {out_dir} ({_describe(holder, age)}): {why}")
         return Lease(path, me)
-    raise LeaseHeld(f"out_dir {out_dir}: its lease keeps changing hands while this run tries to take it: another run "
+    raise LeaseHeld(f"{cfg.get('lease_of') or 'out_dir ' + out_dir}: its lease keeps changing hands while this run tries to take it: another run "
                     f"is starting in it; use another out_dir")
+
+
+def for_output(path, what, log=None):
+    """Rank 0 of a command (predict, embed): the lease on its local output `path` (what: the output in words, for
+    the refusal), as PATH.lease; None for an s3:// output (see the top of this file). Stale as a run's lease is: its
+    holder's process gone on this host, or not refreshed for lease_min_s (the Lease's expect() raises that to
+    lease_stale x the measured time between two refreshes once one is measured)."""
+    if "://" in path and not path.startswith("file://"):
+        return None
+    path = path.removeprefix("file://").rstrip("/")
+    cfg = {"out_dir": os.path.dirname(os.path.abspath(path)), "log_interval": 1, "lease_of": what,
+           "lease_min_s": configurator.lease_min_s, "lease_stale": configurator.lease_stale}
+    return acquire(cfg, log or (lambda line: print(line, file=sys.stderr, flush=True)), path=path + ".lease")

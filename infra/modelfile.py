@@ -377,18 +377,18 @@ def load(path_or_obj, map_location="cpu"):
 # 5. warm start: train.py's init_from=PATH (a new run, step 0, fresh optimizer, these weights)
 
 
-def init_source(path):
+def init_source(path, option="init_from"):
     """What init_from=PATH holds, cheaply (nothing but a config is read): (its run's config, a description). PATH is
     a model file (this file's format; an encoder-only one too) or a run's out_dir (its newest complete checkpoint).
-    train.py's dry run and setup call it before any work."""
+    train.py's dry run and setup call it before any work; the commands too, with `option` their own name for it."""
     if os.path.isdir(path):
         try:
             ckpt_dir, tag, meta = find_checkpoint(path)
         except configurator.ConfigError as e:
-            raise configurator.ConfigError(f"init_from={path!r}: {e}") from None
+            raise configurator.ConfigError(f"{option}={path!r}: {e}") from None
         return meta["config"], f"{ckpt_dir}/{tag} (step {meta['step']})"
     if not os.path.exists(path):
-        raise configurator.ConfigError(f"init_from={path!r}: no such file or directory; give a model file (python -m "
+        raise configurator.ConfigError(f"{option}={path!r}: no such file or directory; give a model file (python -m "
                                        f"scripts.export OUT_DIR writes one) or a run's out_dir")
     _, meta = read_model_file(path, mmap=True)
     return meta["config"], f"{path} (step {meta['step']}{', encoder only' if meta.get('encoder_only') else ''})"

@@ -2,10 +2,13 @@
 What a command writes: whole or not at all, and never over what it did not write.
 
     refuse_inside(out, inputs, option)          an output equal to or inside one of the command's inputs: refused
+    refuse_owned(path, option)                  an output inside a run's ckpt/ (its rotation deletes what is there)
+    refuse_same(path, other, option, other_option)  two outputs of one command at one path: refused
     target(path, what, found, settings, overwrite, option)  -> "new" | "same" | "replace", or refused
     inspect_file(path, read)                    what `found` is for a local file: None, Foreign(...) or its record
     check_folder(path, option)                  a local output's folder exists and takes files
     replacing(path) as tmp                      a file written under a temporary name beside path, then renamed
+    writes(what, kept)                          a write's OSError (no space, read-only, ...) as one StorageError line
     save_figure(fig, path, record)              a PNG written so, with `record` in a text chunk; figure_record()
     fsync_dir(path), fsync_tree(path)           flushed to disk: entries, files
     move_into_place(work, out)                  a store built at OUT.partial renamed to OUT, over one --overwrite replaces
@@ -24,7 +27,10 @@ for the path a user gives (or a command's default):
   * anything else (a run's log.jsonl, a survey, a folder of the user's): refused, with --overwrite too. A command
     never replaces what it did not write; --overwrite only lets it replace its own kind of output.
 refuse_inside() refuses an output at or inside an input (a survey store, a run's checkpoints): writing there would
-change what is being read. A local output whose folder does not exist is refused too (a typo'd folder must not
+change what is being read. refuse_owned() refuses an output inside what something else rotates: any training run's
+ckpt/ folder (a relaunch's checkpoint rotation removes whole step_N/ folders, and whatever a user put in them),
+whichever run it is and however the command was given its model; check_folder() and check_dir() apply it to every
+local output. A local output whose folder does not exist is refused too (a typo'd folder must not
 quietly become a new one), unless the command makes its own default folder.
 
 A file is written under a hidden temporary name beside it (.NAME.tmpPID: no glob of *.pt or *.png finds it),
@@ -38,6 +44,26 @@ import json
 import os
 
 from configurator import ConfigError
+
+
+class StorageError(OSError):
+    """The file system or object store refused a write (no space, over quota, read-only, no permission): not the
+    input, not damage, not a bug: exit code 4 (infra/cli.py), one line. A checkpoint's (infra/checkpoint.py) or a
+    command's output's (writes()). agreed: every rank raises it (found before the write), so rank 0 alone says it."""
+    agreed = False
+
+
+@contextlib.contextmanager
+def writes(what, kept):
+    """with writes("tile 3 of the prediction", "the tiles before it are kept in OUT.partial: ..."): an OSError of the
+    write (ENOSPC, EDQUOT, EROFS, EACCES, a folder where a file goes; an object store's PermissionError) becomes one
+    StorageError line naming what was being written, the cause, what is kept and how to go on."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except OSError as e:
+        raise StorageError(f"writing {what} failed: {' '.join(str(e).split())}; {kept}") from e
 
 
 class Foreign(str):
@@ -71,8 +97,52 @@ def refuse_inside(out, inputs, option="--out"):
                               f"ever written into what is being read; choose a path outside it")
 
 
+CKPT = "ckpt"  # a training run's checkpoint folder, out_dir/ckpt (infra/checkpoint.py): its step_N/ are rotated
+
+
+def _is_run_ckpt(folder):
+    """Whether `folder` is a training run's checkpoint folder: named ckpt/, and beside a run's log.jsonl or LEASE,
+    or holding step_N/ checkpoints."""
+    if os.path.basename(folder) != CKPT or not os.path.isdir(folder):
+        return False
+    parent = os.path.dirname(folder)
+    return (any(os.path.exists(os.path.join(parent, n)) for n in ("log.jsonl", "LEASE")) or
+            any(n.startswith("step_") and n[5:].isdigit() for n in os.listdir(folder)))
+
+
+def refuse_owned(path, option="--out"):
+    """ConfigError if the local `path` is, or lies inside, a training run's ckpt/ folder (at any depth): the run's
+    next checkpoint rotation (or its relaunch's) removes whole step_N/ folders with whatever was written into them.
+    Object-store paths pass (training writes checkpoints to a file system only)."""
+    if is_remote(path):
+        return
+    p = _norm(path)
+    up = p
+    while True:
+        if _is_run_ckpt(up):
+            run = os.path.dirname(up)
+            raise ConfigError(f"{option}={path!r} lies inside the checkpoint folder {up!r} of the run {run!r}: its "
+                              f"checkpoint rotation removes whole step_N/ folders, and what was written into them "
+                              f"with them; write it outside ckpt/ (e.g. into {run!r} itself)")
+        nxt = os.path.dirname(up)
+        if nxt == up:
+            return
+        up = nxt
+
+
+def refuse_same(path, other, option, other_option):
+    """ConfigError if two outputs of one command are one path, or the first lies inside the second (a --picture
+    at --out: the store is a folder, and the figure would be written over it after the whole run)."""
+    a, b = _norm(path), _norm(other)
+    if a == b or a.startswith(b.rstrip("/") + "/"):
+        raise ConfigError(f"{option}={path!r} is {'the same path as' if a == b else 'inside'} {other_option}="
+                          f"{other!r}: each output needs a path of its own; give {option} another one")
+
+
 def check_folder(path, option="--out"):
-    """A local output's folder must exist and take files: ConfigError naming the folder and the fix otherwise."""
+    """A local output's folder must exist and take files, and not lie in a run's ckpt/ (refuse_owned): ConfigError
+    naming the folder and the fix otherwise."""
+    refuse_owned(path, option)
     folder = os.path.dirname(os.path.abspath(local(path)))
     if not os.path.isdir(folder):
         up = folder
@@ -96,6 +166,7 @@ def check_dir(path, option="out_dir"):
         raise ConfigError(f"{option}={path!r}: checkpoints and logs are written to a file system (local, or one every "
                           f"node shares: FSx for Lustre, NFS), not to an object store; give a path")
     p = os.path.abspath(local(path))
+    refuse_owned(p, option)
     if os.path.exists(p) and not os.path.isdir(p):
         raise ConfigError(f"{option}={path!r} is a file, not a folder: give a folder (it is created if need be)")
     up = p

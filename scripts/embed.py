@@ -36,7 +36,10 @@ made it (the survey, the model's checkpoint, step and config digest, patch, crop
 the same goes on from an interrupted one (or finds it complete: nothing to do); one with another model, survey or
 settings is refused unless --overwrite, which makes it anew. OUT inside the survey or the run's checkpoints, and
 anything at OUT that embed did not write (a survey, a folder of yours), are refused, --overwrite or not; the
-picture likewise (a PNG records its settings in a text chunk).
+picture likewise (a PNG records its settings in a text chunk), and never at OUT itself. Nothing goes inside a
+training run's ckpt/ (its rotation deletes what is there). One embed per output: rank 0 holds OUT.lease
+(infra/lease.py) while it runs, so a second one is refused, naming the first. A write the file system refuses (no
+space, read-only) is one line, exit code 4, the windows written so far kept.
 """
 import argparse
 import json
@@ -49,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 import configurator
-from infra import cli, distributed, modelfile, outputs, reader
+from infra import cli, distributed, lease, modelfile, outputs, reader
 from infra.features import BATCH_TOKENS, encode, plan_windows, token_coords, window_model
 from infra.progress import Progress
 from model import build_model, token_grid
@@ -101,6 +104,17 @@ def parse(argv):
 
 
 def main(argv):
+    """The command. Rank 0 holds the output's lease (infra/lease.py) from before it looks at the output until the
+    command ends, however it ends: a second embed into the same --out is refused, naming the first."""
+    held = []  # rank 0's lease on the output, once claim() has taken it
+    try:
+        return embed(argv, held)
+    finally:
+        for h in held:
+            h.release()
+
+
+def embed(argv, held):
     a = parse(argv)
     rank, world, device = distributed.init()  # torchrun's ranks, or a world of 1
     cp = a.cp
@@ -110,7 +124,7 @@ def main(argv):
         raise configurator.ConfigError(f"--cp={cp} must divide the world size {world}")
     cp_rank, dp_rank, dp, cp_group = distributed.cp_groups(cp)
     # ---- what would be written, checked against what is there before any work (rank 0 looks; every rank gets it)
-    cfg = modelfile.init_source(a.model)[0]  # (the model's config, cheaply: no weight is read)
+    cfg = modelfile.init_source(a.model, "MODEL")[0]  # (the model's config, cheaply: no weight is read)
     patch = tuple(cfg["patch"])
     crop = cli.triple(a.crop, "crop") or tuple(cfg["crop"])
     stride = cli.triple(a.stride, "stride") or tuple(max(p, c // 2 // p * p) for c, p in zip(crop, patch))
@@ -131,11 +145,13 @@ def main(argv):
     so = reader.storage_options(a.out, opts) if outputs.is_remote(a.out) else None
     pic = a.picture or (a.out.rstrip("/") + ".png" if not outputs.is_remote(a.out)
                         else os.path.basename(a.out.rstrip("/")) + ".png")  # s3:// out: the picture stays here
-    work = distributed.on_rank_0(lambda: claim(a, settings, pic, vol, grid, patch, so, opts))
+    work = distributed.on_rank_0(lambda: claim(a, settings, pic, vol, grid, patch, so, opts, held))
     if work is None:  # its own output, complete, with these settings: nothing to do
         if rank == 0:
             print(f"{a.out} already holds these features, complete (the same survey, model and settings): nothing to "
                   f"do (--overwrite does not redo it; remove it to)", file=sys.stderr)
+            if outputs.figure_target(pic, settings, option="--picture", made_by="scripts.embed") == "new":
+                draw(a, so, pic, settings)  # (its first run could not write it)
             print(json.dumps({"windows": len(wins), "grid": list(grid), "features": D, "out": a.out, "picture": pic,
                               "already_complete": True}))
         dist.destroy_process_group()
@@ -159,6 +175,8 @@ def main(argv):
     # progress (infra/progress.py, rank 0 shows it) in the whole survey's windows, those of an earlier run counted
     # as done: rank 0 sees only its own group's, and stands for the others (the groups take rows in turn, so each
     # has about as many to do: rank 0's fraction of its own is the survey's), with no collective to wait on
+    kept = (f"the windows written before them are kept in {work}: free space (or make it writable) and run the same "
+            f"command again to go on from them")
     with Progress(total=len(wins), initial=len(wins) - left, desc="embedding", unit="window") as bar:
         counted = 0
         t0, n_tok = time.time(), 0
@@ -175,14 +193,20 @@ def main(argv):
                 lo = [max(box[0][0], s) - s, box[1][0] - org[1], box[2][0] - org[2]]
                 hi = [min(box[0][1], s + slab) - s, box[1][1] - org[1], box[2][1] - org[2]]
                 if hi[0] > lo[0]:
-                    feats[s + lo[0]:s + hi[0], box[1][0]:box[1][1], box[2][0]:box[2][1]] = \
-                        zb[lo[0]:hi[0], lo[1]:hi[1], lo[2]:hi[2]].astype(a.dtype)
+                    with outputs.writes(f"the features of window {org}", kept):
+                        feats[s + lo[0]:s + hi[0], box[1][0]:box[1][1], box[2][0]:box[2][1]] = \
+                            zb[lo[0]:hi[0], lo[1]:hi[1], lo[2]:hi[2]].astype(a.dtype)
             n_tok += len(part) * L_loc
             if cp > 1:
                 dist.barrier(group=cp_group)  # every slab of these windows written before they are marked
             if cp_rank == 0:
-                for idx, _, _ in part:
-                    done.mark(idx)
+                with outputs.writes("the windows' markers", kept):
+                    for idx, _, _ in part:
+                        done.mark(idx)
+            if held and k:  # rank 0's lease: still ours (else LeaseLost, before the next windows are written)
+                held[0].refresh()
+            elif held:  # ... and, after the first batch, how often it is refreshed (for a command on another host)
+                held[0].expect(time.time() - t0)
             now = round((k + len(part)) / mine * left)
             bar.update(now - counted)
             counted = now
@@ -195,14 +219,24 @@ def main(argv):
     dist.all_reduce(rate)
     dist.barrier()
     if rank == 0:
-        finish(a.out, work, settings, so)
-        feats = zarr.open_group(a.out, mode="r", storage_options=so)["features"]
-        fig = pca_picture(feats, f"{a.store}: encoder features, first 3 principal components")
-        outputs.save_figure(fig, pic, settings)
+        with outputs.writes("the features store's record", f"every window is written in {work}: free space (or make "
+                            f"it writable) and run the same command again to finish"):
+            finish(a.out, work, settings, so)
+        draw(a, so, pic, settings)
         print(json.dumps({"windows": len(wins), "grid": list(grid), "features": D, "out": a.out, "picture": pic,
                           "batch": batch, "tokens_per_s": round(rate.item(), 1)}))
     dist.destroy_process_group()
     return 0
+
+
+def draw(a, so, pic, settings):
+    """Rank 0: the figure of the finished features at --picture."""
+    import zarr
+    feats = zarr.open_group(a.out, mode="r", storage_options=so)["features"]
+    fig = pca_picture(feats, f"{a.store}: encoder features, first 3 principal components")
+    with outputs.writes(f"the picture {pic}", f"the features are complete at {a.out}: make room (or give --picture a "
+                        f"writable path) and run the same command again to draw it"):
+        outputs.save_figure(fig, pic, settings)
 
 
 def recorded(path, so):
@@ -218,21 +252,25 @@ def recorded(path, so):
     return dict(rec) if isinstance(rec, dict) else outputs.Foreign("not a features store of scripts.embed")
 
 
-def claim(a, settings, pic, vol, grid, patch, so, opts):
+def claim(a, settings, pic, vol, grid, patch, so, opts, held):
     """Rank 0, before any work: where this run writes (the store to open), or None when --out already holds these
     features complete. Local: the store is built at OUT.partial and renamed to OUT when complete (finish), so OUT is
     whole or absent; an interrupted run's OUT.partial with the same settings is gone on from. On an object store
     (no rename) it is OUT itself, its "embed" attribute saying complete: false until the last window is in. A store
     made with another model, survey or settings is refused unless --overwrite (then made anew); anything else at
     OUT (a survey, a folder of the user's) is never written over, and OUT may not lie inside the survey or the run
-    (infra/outputs.py). The picture's path is checked the same way."""
+    (infra/outputs.py). The picture's path is checked the same way. The output's lease is taken before the output is
+    looked at (appended to `held`)."""
     inputs = [a.store, os.path.join(a.model, "ckpt") if os.path.isdir(a.model) else a.model]
     outputs.refuse_inside(a.out, inputs)
     outputs.refuse_inside(pic, inputs, "--picture")
+    outputs.refuse_same(pic, a.out, "--picture", "--out")
     remote = outputs.is_remote(a.out)
     if not remote:
         outputs.check_folder(a.out)
+        outputs.refuse_same(pic, a.out.rstrip("/") + ".partial", "--picture", "--out's store being built")
     outputs.check_folder(pic, "--picture")
+    held += [h for h in [lease.for_output(a.out, f"--out={a.out}")] if h]
     found = recorded(a.out, so)
     how = outputs.target(a.out, "a features store", found, settings, a.overwrite)
     outputs.figure_target(pic, settings, a.overwrite, "--picture", "scripts.embed")

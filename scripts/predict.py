@@ -40,7 +40,12 @@ What it writes over (infra/outputs.py, all checked before any work): a local --o
 renamed when complete; on s3:// and in an MDIO store it is written in place, the record (attribute `predict`: survey,
 model, windows, blending, tile, dtype) saying `"complete": false` until then. Another model, survey or setting is
 refused unless --overwrite; anything predict did not write (the amplitude, your labels, a folder) is never written
-over. Rank 0 draws the amplitude with the prediction on the central inline, crossline and time slice (OUT.png, or
+over: with --variable=NAME, each name it would create beside NAME (NAME_dead_traces, NAME_zero_traces,
+NAME_predict_done/) must be free or its own (tagged predict_of), and clean-up removes only those. No output goes
+inside a training run's ckpt/ (its rotation deletes what is there), nor --picture at --out. One predict per output:
+rank 0 holds OUT.lease (OUT.NAME.lease with --variable; infra/lease.py) while it runs, so a second one is refused,
+naming the first. A write the file system refuses (no space, read-only) is one line, exit code 4, the tiles
+written so far kept. Rank 0 draws the amplitude with the prediction on the central inline, crossline and time slice (OUT.png, or
 --picture).
 """
 import argparse
@@ -55,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 import configurator
-from infra import cli, distributed, modelfile, outputs, reader, sliding
+from infra import cli, distributed, lease, modelfile, outputs, reader, sliding
 from infra.features import BATCH_TOKENS, token_coords, window_model
 from infra.progress import Progress
 from infra.stop import INTERRUPTED, RESUMABLE, StopRequest, launched, write_stopped
@@ -106,7 +111,8 @@ def parse(argv):
 
 
 class Names:
-    """Where the arrays live in the output group: a store of its own, or variables of an MDIO store (--variable)."""
+    """Where the arrays live in the output group: a store of its own, or variables of an MDIO store (--variable).
+    Every name predict creates is here: in a store of the user's each is checked before any work (claim)."""
 
     def __init__(self, variable):
         v = variable
@@ -115,10 +121,27 @@ class Names:
         self.done = f"{v}_predict_done/" if v else "predict_done/"  # one small object per tile written
         self.variable = v
 
+    def beside(self):
+        """The names created beside the probability array (the arrays and the markers' prefix)."""
+        return [self.dead, self.zero, self.done.rstrip("/")]
+
+
+MINE = {"made_by": "scripts.predict"}  # the attribute "predict_of" of each array predict creates beside the variable
+
 
 def main(argv, stop=None):
     """The command; `stop`: a StopRequest (a stop signal or a Ctrl-C ends the run after the ranks' current tiles,
-    which are kept: RESUMABLE, or INTERRUPTED after a Ctrl-C; a second Ctrl-C stops at once)."""
+    which are kept: RESUMABLE, or INTERRUPTED after a Ctrl-C; a second Ctrl-C stops at once). Rank 0 holds the
+    output's lease (infra/lease.py) from before it looks at the output until the command ends, however it ends."""
+    held = []  # rank 0's lease on the output, once claim() has taken it
+    try:
+        return predict(argv, stop, held)
+    finally:
+        for h in held:
+            h.release()
+
+
+def predict(argv, stop, held):
     a = parse(argv)
     rank, world, device = distributed.init()  # torchrun's ranks, or a world of 1
     cp = a.cp
@@ -130,7 +153,7 @@ def main(argv, stop=None):
         raise configurator.ConfigError(f"--cp={cp} must divide the world size {world}")
     cp_rank, dp_rank, dp, cp_group = distributed.cp_groups(cp)
     # ---- what would be written, checked against what is there before any work
-    cfg = modelfile.init_source(a.model)[0]  # (the model's config, cheaply: no weight is read)
+    cfg = modelfile.init_source(a.model, "MODEL")[0]  # (the model's config, cheaply: no weight is read)
     if cfg.get("task", "mae") != "segment":
         raise configurator.ConfigError(f"{a.model} is a pretrained MAE (task={cfg.get('task', 'mae')!r}), not a "
                                        f"segmenter: predict needs a fine-tuned model (train.py task='segment', "
@@ -142,6 +165,9 @@ def main(argv, stop=None):
     if token_grid(crop, patch)[0] % cp:
         raise configurator.ConfigError(f"the window's {crop[0] // patch[0]} inline tokens do not split over --cp={cp}")
     opts = cli.read_options(a)
+    if not outputs.is_remote(a.survey) and not os.path.exists(outputs.local(a.survey)):
+        raise configurator.ConfigError(f"SURVEY={a.survey!r} does not exist: give an MDIO or Zarr store (a local path "
+                                       f"or an s3:// URL)")
     vol = reader.Volume(a.survey, opts)
     shape = vol.shape
     chunks = tuple(min(c, s) for c, s in zip(vol.chunks, shape))
@@ -152,7 +178,7 @@ def main(argv, stop=None):
         raise configurator.ConfigError(f"--tile={a.tile}: each axis a multiple of the output's chunks {chunks} (the "
                                        f"survey's), so that no two tiles write one chunk")
     classes = int(cfg.get("classes", 2))
-    labels = vol.variable(a.score) if a.score else None  # (a missing or unfit variable: its error, before any work)
+    labels = vol.variable(a.score, "--score") if a.score else None  # (a missing or unfit variable: its error, before any work)
     try:
         inl = tuple(int(x) for x in a.score_inlines.split(":")) if a.score_inlines else (0, shape[0])
         assert len(inl) == 2 and 0 <= inl[0] < inl[1] <= shape[0]
@@ -170,7 +196,7 @@ def main(argv, stop=None):
     so = reader.storage_options(a.out, opts) if outputs.is_remote(a.out) else None
     pic = a.picture or (os.path.basename(a.out.rstrip("/")) + ".png" if outputs.is_remote(a.out) else
                         a.out.rstrip("/") + (f".{a.variable}.png" if a.variable else ".png"))
-    work = distributed.on_rank_0(lambda: claim(a, names, settings, pic, vol, so, opts))
+    work = distributed.on_rank_0(lambda: claim(a, names, settings, pic, vol, so, opts, held))
     all_tiles = sliding.tiles(shape, tile)
     n_windows = math.prod(len(s) for s in starts)
     extra = round(sliding.recompute(shape, crop, starts, tile), 3)
@@ -180,6 +206,8 @@ def main(argv, stop=None):
                   f"to do (--overwrite does not redo it; remove it to)", file=sys.stderr)
             scored = score(a.out, so, names.prob, labels, inl, classes, chunks, a.threshold) \
                 if labels is not None else {}
+            if outputs.figure_target(pic, settings, option="--picture", made_by="scripts.predict") == "new":
+                draw(a, vol, names, classes, so, pic, settings)  # (its first run could not write it)
             print(json.dumps({**scored, "tiles": len(all_tiles), "windows": n_windows, "out": a.out, "picture": pic,
                               "already_complete": True}))
         dist.destroy_process_group()
@@ -210,6 +238,8 @@ def main(argv, stop=None):
     w3 = w3.to(device)  # (slab, Y, X): this rank's part of a window's weight
     out_arr, zero_arr = root[names.prob], root[names.zero]
     t0, voxels, computed = time.time(), 0, 0
+    kept = (f"the tiles written before it are kept in {work}: free space (or make it writable) and run the same "
+            f"command again to go on from them")
     with Progress(total=len(all_tiles), initial=len(all_tiles) - len(left), desc="predicting", unit="tile") as bar:
         counted = 0
         if stop:
@@ -241,13 +271,18 @@ def main(argv, stop=None):
             if cp > 1:
                 dist.all_reduce(acc, group=cp_group)  # every slab's share of the tile's sums
             if cp_rank == 0:
-                write_tile(acc, box, norm, vol, out_arr, zero_arr, tile, a.dtype, classes)
-                done.mark(index[k])
+                with outputs.writes(f"tile {k} {box} of the prediction", kept):
+                    write_tile(acc, box, norm, vol, out_arr, zero_arr, tile, a.dtype, classes)
+                    done.mark(index[k])
                 voxels += math.prod(hi - lo for lo, hi in box)
                 written += 1
             now = round((n + 1) / len(todo) * len(left)) if todo else 0
             bar.update(now - counted)
             counted = now
+            if held and n:  # rank 0's lease: still ours (else LeaseLost, before the next tile is written)
+                held[0].refresh()
+            elif held:  # ... and, after the first tile, how often it is refreshed (for a command on another host)
+                held[0].expect(time.time() - t0)
     if a.stop_after:
         print(f"rank {rank}: stopped after {len(todo)} tiles (--stop_after)", flush=True)
         dist.destroy_process_group()
@@ -259,11 +294,10 @@ def main(argv, stop=None):
     dist.barrier()
     dt = time.time() - t0
     if rank == 0:
-        finish(a, names, work, settings, so, vol)
-        from zarr import open_group
-        fig = picture(vol, open_group(a.out, mode="r", storage_options=so), names, classes,
-                      f"{a.survey}: {'class' if classes > 2 else 'fault'} probability, {os.path.basename(a.model)}")
-        outputs.save_figure(fig, pic, settings)
+        with outputs.writes("the prediction's last pieces (dead_traces, its record)", f"every tile is written in "
+                            f"{work}: free space (or make it writable) and run the same command again to finish"):
+            finish(a, names, work, settings, so, vol)
+        draw(a, vol, names, classes, so, pic, settings)
         scored = score(a.out, so, names.prob, labels, inl, classes, chunks, a.threshold) \
             if labels is not None else {}
         print(json.dumps({**scored, "tiles": len(all_tiles), "windows": n_windows, "windows_computed": int(counts[1]),
@@ -272,6 +306,16 @@ def main(argv, stop=None):
                           "voxels_per_s": round(counts[0].item() / max(dt, 1e-9), 1), "out": a.out, "picture": pic}))
     dist.destroy_process_group()
     return 0
+
+
+def draw(a, vol, names, classes, so, pic, settings):
+    """Rank 0: the figure of the finished prediction at --picture."""
+    from zarr import open_group
+    fig = picture(vol, open_group(a.out, mode="r", storage_options=so), names, classes,
+                  f"{a.survey}: {'class' if classes > 2 else 'fault'} probability, {os.path.basename(a.model)}")
+    with outputs.writes(f"the picture {pic}", f"the prediction is complete at {a.out}: make room (or give --picture "
+                        f"a writable path) and run the same command again to draw it"):
+        outputs.save_figure(fig, pic, settings)
 
 
 def stopped_at(stop, signals, written, marks, n_tiles, work, device):
@@ -400,21 +444,28 @@ def check_mdio(a, vol, so):
     return root
 
 
-def claim(a, names, settings, pic, vol, so, opts):
+def claim(a, names, settings, pic, vol, so, opts, held):
     """Rank 0, before any work: the store to write in, or None when --out already holds this prediction complete.
     Local (no --variable): built at OUT.partial, renamed to OUT when complete. s3:// or --variable: in place, its
     record saying complete: false until then. Another model, survey or setting: refused unless --overwrite (then made
-    anew); anything predict did not write is never written over."""
+    anew); anything predict did not write is never written over. The output's lease is taken first (appended to
+    `held`): a second predict into the same output is refused, naming the first."""
     inputs = [os.path.join(a.model, "ckpt") if os.path.isdir(a.model) else a.model]
     outputs.refuse_inside(a.out, inputs + ([] if a.variable else [a.survey]))  # (a variable may join the survey)
     outputs.refuse_inside(pic, inputs + [a.survey], "--picture")
+    outputs.refuse_same(pic, a.out, "--picture", "--out")
     remote = outputs.is_remote(a.out)
     if not remote:
         outputs.check_folder(a.out)
+        outputs.refuse_same(pic, a.out.rstrip("/") + ".partial", "--picture", "--out's store being built")
     outputs.check_folder(pic, "--picture")
     if a.variable:
         check_mdio(a, vol, so)
+    what = f"--out={a.out}" + (f" --variable={a.variable}" if a.variable else "")
+    held += [h for h in [lease.for_output(a.out.rstrip("/") + (f".{a.variable}" if a.variable else ""), what)] if h]
     found = recorded(a.out, names, so)
+    if a.variable:
+        check_names(a.out, names, so, found)
     how = outputs.target(a.out, f"the variable {names.prob!r}" if a.variable else "a prediction store", found,
                          settings, a.overwrite)
     outputs.figure_target(pic, settings, a.overwrite, "--picture", "scripts.predict")
@@ -433,21 +484,51 @@ def claim(a, names, settings, pic, vol, so, opts):
     return work
 
 
+def check_names(out, names, so, found):
+    """--variable: every name predict would create beside the variable must be free, or predict's own: an array it
+    tagged as made for this variable (attribute predict_of), or markers under NAME_predict_done/ while the variable
+    is predict's (markers are written only after its record). Anything else of that name is the user's: refused,
+    one line naming it, before any work. (found: what recorded() says the variable is.)"""
+    import fsspec
+    import zarr
+    fs, p = fsspec.url_to_fs(out, **(so or {}))
+    root = zarr.open_group(out, mode="r", storage_options=so)
+    for n in names.beside():
+        if not fs.exists(f"{p}/{n}") or ours(root, n, names) or (n == names.done.rstrip("/") and isinstance(found, dict)):
+            continue
+        raise configurator.ConfigError(f"--out={out!r} already holds {n!r}, which predict did not make: "
+                                       f"--variable={names.variable} would write {', '.join(map(repr, names.beside()))} "
+                                       f"beside it, and never writes over what is not its own; choose another "
+                                       f"--variable")
+
+
+def ours(root, name, names):
+    """Whether root[name] is an array predict created beside the variable names.prob (its predict_of attribute)."""
+    try:
+        node = root[name]
+    except KeyError:
+        return False
+    return dict(node.attrs.get("predict_of") or {}) == {**MINE, "variable": names.prob}
+
+
 def remove(out, names, so, whole):
-    """predict's own output at `out`: the whole store, or (--variable) its variables alone."""
+    """predict's own output at `out`: the whole store, or (--variable) its variable and what it made beside it
+    (check_names has made sure those are its own)."""
     import fsspec
     fs, p = fsspec.url_to_fs(out, **(so or {}))
-    for part in ([p] if whole else [f"{p}/{n}" for n in (names.prob, names.dead, names.zero, names.done.rstrip("/"))]):
+    for part in ([p] if whole else [f"{p}/{n}" for n in [names.prob] + names.beside()]):
         if fs.exists(part):
             fs.rm(part, recursive=True)
 
 
 def create(work, names, settings, vol, so, opts):
-    """The output's arrays at `work`, unless there (an interrupted run of the same settings)."""
+    """The output's arrays at `work`, unless there (an interrupted run of the same settings). Those beside the
+    variable are tagged as predict's (predict_of) and made before it; its record, last, says they are all there."""
     import zarr
     root = zarr.open_group(work, mode="a", zarr_format=3, storage_options=so)
     if names.prob in root and "predict" in root[names.prob].attrs:
         return
+    tag = {"predict_of": {**MINE, "variable": names.prob}}
     shape, chunks, C = tuple(settings["shape"]), tuple(settings["chunks"]), settings["classes"]
     dims = list(getattr(vol.arr.metadata, "dimension_names", None) or ("inline", "crossline", "time"))
     n_tt = math.ceil(shape[2] / settings["tile"][2])
@@ -462,15 +543,16 @@ def create(work, names, settings, vol, so, opts):
             c = root.create_array(d, shape=(len(coords[n]),), chunks=(len(coords[n]),), dtype="float64",
                                   dimension_names=[d])
             c[:] = coords[n]
+    # (overwrite: only ever predict's own of an interrupted create, which check_names found tagged)
     root.create_array(names.dead, shape=shape[:2], chunks=chunks[:2], dtype="uint8", fill_value=0,
-                      dimension_names=dims[:2], overwrite=True)
+                      dimension_names=dims[:2], attributes=tag, overwrite=True)
     root.create_array(names.zero, shape=(n_tt,) + shape[:2], chunks=(1,) + chunks[:2], dtype="uint8", fill_value=0,
-                      overwrite=True)
+                      attributes=tag, overwrite=True)
     arr = root.create_array(names.prob, shape=shape if C == 2 else (C,) + shape,
                             chunks=chunks if C == 2 else (1,) + chunks, dtype=settings["dtype"], fill_value=0,
-                            dimension_names=dims if C == 2 else ["class"] + dims, attributes=attrs, overwrite=True)
-    arr.attrs["predict"] = {**settings, "complete": False}  # last: without it, nothing to go on from
-    if not names.variable:
+                            dimension_names=dims if C == 2 else ["class"] + dims, overwrite=True,
+                            attributes={**attrs, "predict": {**settings, "complete": False}})  # (last, its record
+    if not names.variable:  # in the same metadata write: without it, nothing to go on from)
         root.attrs["predict"] = arr.attrs["predict"]
 
 

@@ -1,5 +1,6 @@
 """Shared fixtures: a small synthetic MDIO store, a fine-tuned segmenter and its survey, and a helper that runs
 train.py as a real job."""
+import contextlib
 import json
 import os
 import signal
@@ -172,3 +173,16 @@ def predict_survey(tmp_path_factory):
     sharp = str(root / "sharp.pt")
     torch.save(obj, sharp)
     return store, str(run), sharp, root, path
+
+
+@contextlib.contextmanager
+def tmpfs(path, options):
+    """A real tmpfs mounted at `path` for the block (root only: skipped elsewhere)."""
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

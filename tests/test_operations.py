@@ -2,7 +2,6 @@
 a checkpoint write (a clear error, no partial step, the relaunch resumes), and a checkpoint load that fails on one rank
 only (every rank falls back together: no hang). The launcher-level tests of the lease (two launches, kill -9 of the
 launcher) are in test_preempt.py, beside the other launch.sh stop tests."""
-import contextlib
 import json
 import os
 import socket
@@ -12,10 +11,11 @@ import time
 import zipfile
 
 import pytest
+import torch
 
 import configurator
 from infra import checkpoint, lease
-from conftest import ROOT, job_env, read_log, read_val, run_train, small_args
+from conftest import ROOT, job_env, read_log, read_val, run_train, small_args, tmpfs
 
 # -----------------------------------------------------------------------------
 # the lease's rules, on its own (infra/lease.py)
@@ -167,19 +167,6 @@ def uninterrupted(small_store, tmp_path_factory):
     return read_log(d), dict(read_val(d))
 
 
-@contextlib.contextmanager
-def tmpfs(path, options):
-    """A real tmpfs mounted at `path` for the block (root only: skipped elsewhere)."""
-    path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 @pytest.fixture
 def small_disk(tmp_path):
     """A tmpfs of 14 MB (a checkpoint of these runs is about 9 MB): room for one checkpoint, not two."""
@@ -274,20 +261,49 @@ def spoil_pickle(path):
     assert zipfile.is_zipfile(path) and not checkpoint.unreadable_files(os.path.dirname(path))
 
 
+def spoil_contents(path):
+    """Damage a ZeRO optimizer shard so that it reads (a whole torch.save archive, every pickle intact) but DeepSpeed's
+    load refuses what it holds: its flat fp32 partition 7 elements longer than the rank's partition."""
+    sd = torch.load(path, map_location="cpu", weights_only=False)
+    flat = sd["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+    flat[0] = torch.cat([flat[0], flat[0][:7]])
+    torch.save(sd, path)
+    assert not checkpoint.unreadable_files(os.path.dirname(path)) and \
+        checkpoint.unloadable_own_files(os.path.dirname(path), 1) is None
+
+
+def test_an_assert_without_a_message_says_what_was_asserted():
+    """DeepSpeed's load has many bare asserts (a damaged checkpoint once said only "rank 0: AssertionError:"): the
+    line then quotes the statement, whole even where it runs over lines, and where it is."""
+    try:
+        assert (len("ab") ==
+                3)
+    except AssertionError as e:
+        said = checkpoint.describe(e)
+    assert said.startswith('AssertionError: `assert (len("ab") == 3)` failed (test_operations.py:'), said
+    assert checkpoint.describe(AssertionError()) == "AssertionError: a file failed DeepSpeed's check"
+    assert checkpoint.describe(ValueError("bad\n  value")) == "ValueError: bad value"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,shard", [("zero3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
                                             ("zero2", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                            ("zero2", "zero_pp_rank_1_mp_rank_00_optim_states.pt (contents)"),
                                             ("fsdp2", "__1_0.distcp")])
 def test_a_load_that_fails_on_one_rank_only_makes_every_rank_fall_back(small_store, tmp_path, strategy, shard):
     """Rank 1's own shard of step 4 is damaged in a way rank 0's cheap file check cannot see. Under ZeRO-3 the ranks
     whose load succeeds would go on into the collectives inside DeepSpeed's load and wait there for rank 1 forever
     (the timeout catches that); instead every rank reads its own files first and all agree: they fall back to step 2
-    together, and the run finishes."""
+    together, and the run finishes. The warning names the file: one that no longer unpickles, or (contents) one
+    that reads but whose contents DeepSpeed's own load refuses, with an error that names no file."""
+    shard, contents = shard.split(" ")[0], shard.endswith("(contents)")
     args = dict(max_steps=5, ckpt_interval=2, strategy=strategy)
     first = run_train(small_args(small_store, tmp_path, stop_step=4, **args), nproc=2)
     assert first.returncode == 0, first.stderr[-3000:]
     f = tmp_path / "ckpt" / "step_0000004" / shard
-    if shard.endswith(".pt"):
+    if contents:
+        spoil_contents(f)
+    elif shard.endswith(".pt"):
         spoil_pickle(f)
     else:  # a DCP shard of the same length, its bytes gone: DCP's collective load fails on the rank that reads it
         f.write_bytes(b"\0" * f.stat().st_size)
@@ -295,7 +311,11 @@ def test_a_load_that_fails_on_one_rank_only_makes_every_rank_fall_back(small_sto
     rest = run_train(small_args(small_store, tmp_path, **args), nproc=2, timeout=240)
     assert rest.returncode == 0, rest.stderr[-3000:]
     said = next(x for x in rest.stdout.splitlines() if "step_0000004 is marked complete but does not load" in x)
-    assert "does not load: rank " in said and "rank 1: " in said, said
+    assert f"checkpoint {tmp_path / 'ckpt' / 'step_0000004'} is marked" in said and "rank 1: " in said, said
+    if contents:
+        assert f"rank 1: {shard} was read, but its contents did not load: RuntimeError: The size of tensor" in said, said
+    elif shard.endswith(".pt"):
+        assert f"rank 1: {shard}: UnpicklingError" in said, said
     assert "(step 2)" in rest.stdout
     assert [s for s, _ in checkpoint.complete_checkpoints(str(tmp_path / "ckpt"))] == [4, 5]
     assert (tmp_path / "ckpt" / "damaged_step_0000004" / shard).exists()

@@ -236,12 +236,150 @@ def test_bad_model_survey_and_output_are_one_error_line_each(predict_survey, tmp
              ([sharp, store, f"--out={tmp_path / 'e.zarr'}", "--score=horizon"], "no label variable"),
              ([sharp, store, f"--out={tmp_path / 'f.zarr'}", "--overlap=1"], "--overlap=1"),
              ([sharp, store, f"--out={tmp_path / 'h.zarr'}", "--score=fault", "--threshold=1"], "--threshold=1"),
-             ([sharp, store, f"--out={tmp_path / 'g.zarr'}", "--crop=12,16,32"], "multiple of the model's patch")]
+             ([sharp, store, f"--out={tmp_path / 'g.zarr'}", "--crop=12,16,32"], "multiple of the model's patch"),
+             ([str(tmp_path / "no.pt"), store, f"--out={tmp_path / 'i.zarr'}"], "MODEL="),
+             ([sharp, store, f"--out={tmp_path / 'j.zarr'}", "--score=horizon"], "set --score to one")]
     for args, says in cases:
         r = run_predict(args)
         last = r.stderr.strip().splitlines()[-1]
         assert r.returncode != 0 and last.startswith("error:") and says in last, (args, r.stderr[-1500:])
+        assert not any(w in last for w in ("init_from='", "set data_paths", "set label_var")), last  # (its own words)
     assert zarr.open_group(tmp_path / "p.zarr", mode="r")["probability"].attrs["predict"]["overlap"] == 0.5
+
+
+# ----------------------------------------------------------------------------- nothing it did not make is touched
+
+def tree_digest(path):
+    """sha256 of every file under `path` (names and bytes): equal before and after = not a byte changed."""
+    h = hashlib.sha256()
+    for d, _, files in sorted(os.walk(path)):
+        for f in sorted(files):
+            h.update(os.path.join(os.path.relpath(d, path), f).encode() + open(os.path.join(d, f), "rb").read())
+    return h.hexdigest()
+
+
+@slow
+def test_a_variable_never_writes_over_the_users_arrays_of_its_derived_names(predict_survey, tmp_path):
+    """--variable=fp into a store of the user's that holds an array or group of a name predict would create beside fp
+    (fp_dead_traces, fp_zero_traces, fp_predict_done): refused before any work, one line naming it, and every byte of
+    the store as it was. Into a store with none of them, stopped and resumed: predict's own arrays (tagged) are gone
+    on from, and the user's other arrays stay byte-identical."""
+    import shutil
+    store, _, sharp, _, _ = predict_survey
+    for name, kind in (("fp_dead_traces", "array"), ("fp_zero_traces", "array"), ("fp_predict_done", "group")):
+        mine = tmp_path / f"{name}.mdio"
+        shutil.copytree(store, mine)
+        g = zarr.open_group(mine, mode="r+")
+        if kind == "array":
+            g.create_array(name, shape=(4, 4), dtype="float32")[:] = np.arange(16, dtype=np.float32).reshape(4, 4)
+        else:
+            g.create_group(name).create_array("notes", shape=(3,), dtype="int32")[:] = [1, 2, 3]
+        before = tree_digest(mine)
+        r = run_predict([sharp, str(mine), f"--out={mine}", "--variable=fp"])
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and last.startswith("error:") and f"already holds {name!r}" in last, r.stderr[-2000:]
+        assert tree_digest(mine) == before
+    mine = tmp_path / "clean.mdio"
+    shutil.copytree(store, mine)
+    g = zarr.open_group(mine, mode="r+")
+    g.create_array("fp_notes", shape=(2,), dtype="int32")[:] = [7, 8]  # (a name predict does not use: untouched)
+    before = {n: tree_digest(mine / n) for n in os.listdir(mine) if n != "zarr.json"}
+    args = [sharp, str(mine), f"--out={mine}", "--variable=fp", "--tile=16,16,32", "--dtype=float32"]
+    r = run_predict(args + ["--stop_after=2"])
+    assert r.returncode == 75 and "fp_zero_traces" in os.listdir(mine), r.stderr[-2000:]
+    ok(run_predict(args))  # its own tagged arrays and markers: gone on from
+    ok(run_predict([sharp, store, f"--out={tmp_path / 'ref.zarr'}", "--tile=16,16,32", "--dtype=float32"]))
+    assert np.abs(prob(mine, "fp") - prob(tmp_path / "ref.zarr")).max() <= 1e-6
+    assert {n: tree_digest(mine / n) for n in before} == before
+    assert sorted(set(os.listdir(mine)) - set(before)) == ["fp", "fp_dead_traces", "zarr.json"]
+
+
+@slow
+def test_no_output_inside_a_runs_checkpoints_and_no_picture_at_the_output(predict_survey, tmp_path):
+    """A prediction (or its picture) inside a run's ckpt/ is refused however the model is given (its exported file,
+    whose path names no run): the run's next relaunch rotates step_N/ away with whatever is in it. --picture at
+    --out is refused before any work, not after the whole run."""
+    _, run, _, _, exported = predict_survey
+    from infra import checkpoint
+    ckpt = os.path.join(run, "ckpt")
+    step = os.path.join(ckpt, checkpoint.complete_checkpoints(ckpt)[-1][1])
+    before = tree_digest(ckpt)
+    for args, says in (([f"--out={step}/pred.zarr"], "inside the checkpoint folder"),
+                       ([f"--out={tmp_path / 'p.zarr'}", f"--picture={ckpt}/p.png"], "inside the checkpoint folder"),
+                       ([f"--out={tmp_path / 'p.zarr'}", f"--picture={tmp_path / 'p.zarr'}"], "the same path as --out"),
+                       ([f"--out={tmp_path / 'p.zarr'}", f"--picture={tmp_path / 'p.zarr.partial'}"], "store being built"),
+                       (["--out=" + os.path.join(run, "..", os.path.basename(run), "ckpt", "x.zarr")], "checkpoint")):
+        r = run_predict([exported, predict_survey[0], *args])
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and last.startswith("error:") and says in last, (args, r.stderr[-1500:])
+    assert tree_digest(ckpt) == before and not os.path.exists(tmp_path / "p.zarr.partial")
+
+
+@slow
+def test_one_predict_per_output_the_second_is_refused_and_a_dead_ones_lease_is_taken_over(predict_survey, tmp_path):
+    """Two predicts into one --out: the second is refused at once, naming the first (its pid), and the first
+    finishes undisturbed; its lease goes with it. A predict killed with kill -9 leaves its lease behind: the same
+    command takes it over (its process is gone) and finishes from the tiles written."""
+    import signal
+    import time
+    store, _, sharp, _, _ = predict_survey
+    base = [sharp, store, "--dtype=float32", "--tile=16,16,32"]  # 12 tiles
+    out = tmp_path / "p.zarr"
+    first = subprocess.Popen([sys.executable, "-m", "scripts.predict", *base, f"--out={out}", "--slow_tile=0.5"],
+                             cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not os.path.exists(f"{out}.partial/predict_done"):
+            assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.05)
+        r = run_predict([*base, f"--out={out}"])
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and "being written by another command" in last and f"pid {first.pid}" in last, \
+            r.stderr[-2000:]
+        o, err = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 0, err[-3000:]
+    ref = prob(out)
+    assert not os.path.exists(f"{out}.lease") and not os.path.exists(f"{out}.partial")
+    again = tmp_path / "q.zarr"
+    p = subprocess.Popen([sys.executable, "-m", "scripts.predict", *base, f"--out={again}", "--slow_tile=0.5"],
+                         cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while marked(again) < 2:
+            assert p.poll() is None, p.communicate()[1][-3000:]
+            time.sleep(0.05)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+    finally:
+        p.kill()
+    assert os.path.exists(f"{again}.lease")  # (left by the killed one)
+    r = run_predict([*base, f"--out={again}"])
+    assert r.returncode == 0 and "took over the stale lease" in r.stderr and "is gone" in r.stderr, r.stderr[-2000:]
+    assert np.abs(prob(again) - ref).max() <= 1e-6 and not os.path.exists(f"{again}.lease")
+
+
+@slow
+def test_a_full_disk_is_one_line_the_tiles_are_kept_and_the_same_command_finishes(predict_survey, tmp_path):
+    """--out on a real tmpfs too small for the prediction: one line (exit code 4) naming the write, the cause and what
+    is kept; with room made, the same command finishes from the tiles written and equals a prediction on a disk
+    with room."""
+    from conftest import tmpfs
+    store, _, sharp, _, _ = predict_survey
+    base = [sharp, store, "--dtype=float32", "--tile=16,16,32"]  # 12 tiles of 16 x 16 x 32 x 4 B = 32 KiB each
+    ok(run_predict([*base, f"--out={tmp_path / 'ref.zarr'}"]))
+    with tmpfs(tmp_path / "disk", "size=160k") as disk:
+        out = disk / "p.zarr"
+        r = run_predict([*base, f"--out={out}", f"--picture={tmp_path / 'p.png'}"])
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 4 and lines[-1].startswith("error: writing tile ") and "No space left" in lines[-1] \
+            and f"kept in {out}.partial" in lines[-1] and "Traceback" not in r.stderr, r.stderr[-3000:]
+        n = marked(out)
+        assert 0 < n < 12
+        subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
+        info = ok(run_predict([*base, f"--out={out}", f"--picture={tmp_path / 'p.png'}"]))
+        assert info["voxels"] == np.prod(SHAPE) - n * 16 * 16 * 32  # the tiles kept were not redone
+        assert np.abs(prob(out) - prob(tmp_path / "ref.zarr")).max() <= 1e-6
 
 
 @slow
