@@ -60,7 +60,13 @@ def check(cfg):
     say a copy kept from another machine, would lose every step until the first checkpoint failed)."""
     configurator.check_config(cfg)
     outputs.check_dir(cfg["out_dir"], "out_dir")
-    outputs.check_dir(os.path.join(cfg["out_dir"], "ckpt"), "out_dir/ckpt")
+    ckpt = os.path.join(cfg["out_dir"], "ckpt")  # (not outputs.check_dir: it refuses a run's ckpt/ to other writers)
+    if os.path.exists(ckpt) and not os.path.isdir(ckpt):
+        raise configurator.ConfigError(f"out_dir/ckpt={ckpt!r} is a file, not a folder: the run's checkpoints go "
+                                       f"there; move the file away, or choose another out_dir")
+    if os.path.isdir(ckpt) and (not os.access(ckpt, os.W_OK | os.X_OK) or os.statvfs(ckpt).f_flag & os.ST_RDONLY):
+        raise configurator.ConfigError(f"out_dir/ckpt={ckpt!r} is read-only here, and the run's checkpoints go there: "
+                                       f"make it writable, or choose another out_dir")
     outputs.refuse_inside(cfg["out_dir"], [p for p in cfg["data_paths"] + cfg["val_paths"] if not p.startswith("@")],
                           "out_dir")
 
