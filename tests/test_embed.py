@@ -106,3 +106,31 @@ def test_probe_scores_a_pretrained_and_a_random_encoder_side_by_side(strategy_ru
         r = subprocess.run([sys.executable, "-m", "scripts.probe", str(strategy_runs["zero2"][0]), bad],
                            cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and what in r.stderr, r.stderr[-2000:]
+
+
+def test_embed_refuses_a_live_commands_output_a_runs_checkpoints_and_its_picture_at_out(small_store, strategy_runs,
+                                                                                          tmp_path):
+    """One embed per output: while another process holds OUT's lease (here this test's own, taken as embed takes it),
+    embed is refused naming that pid, and writes nothing; once released, it runs. An --out inside the run's ckpt/
+    and a --picture at --out are refused before any work (test_predict.py: a ckpt/ of a run that is not the model)."""
+    from infra import lease
+    model = str(strategy_runs["zero2"][0])
+    out = str(tmp_path / "f.zarr")
+    held = lease.for_output(out, f"--out={out}")
+    try:
+        r = run_embed([model, small_store, f"--out={out}"])
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and "being written by another command" in last and f"pid {os.getpid()}" in last, \
+            r.stderr[-2000:]
+        assert sorted(os.listdir(tmp_path)) == ["f.zarr.lease"]  # (nothing of embed's)
+    finally:
+        held.release()
+    step = max(t for t in os.listdir(os.path.join(model, "ckpt")) if t.startswith("step_"))
+    for args, says in (([f"--out={model}/ckpt/{step}/f.zarr"], "ckpt"),  # (the run is its model: also an input)
+                       ([f"--out={out}", f"--picture={out}"], "the same path as --out")):
+        r = run_embed([model, small_store, *args])
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and last.startswith("error:") and says in last, (args, r.stderr[-2000:])
+    assert os.listdir(tmp_path) == [] and not os.path.exists(f"{model}/ckpt/{step}/f.zarr")
+    r = run_embed([model, small_store, f"--out={out}", "--stop_after=1"])
+    assert r.returncode == 75 and not os.path.exists(f"{out}.lease"), r.stderr[-2000:]  # (released at its end)
