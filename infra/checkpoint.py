@@ -92,6 +92,8 @@ def move_aside(ckpt_dir, tag, why, log=print):
     return aside
 
 
+
+
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
@@ -339,11 +341,23 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
 
 def _load(engine, cfg, ckpt_dir, tag, universal, log):
     """This rank loads checkpoint `tag` (through its universal conversion, made first if need be): (None, the
-    client state) or (why it did not load, None)."""
+    client state) or (why it did not load, None). Why names the file: DeepSpeed's errors rarely do (seen: a bare
+    "AssertionError:"), so the files its checkpoint engine reads are noted as it reads them, and the last one is the
+    culprit, whether it failed to read or its contents failed DeepSpeed's checks after it was read."""
     from torch.distributed.checkpoint.api import CheckpointException  # DCP's: a BaseException, not an Exception
     load_dir, load_tag = ckpt_dir, tag
     if universal:
         load_dir, load_tag = os.path.join(ckpt_dir, tag), os.path.basename(to_universal(ckpt_dir, tag, log))
+    files = []  # [name, read through?] of each file DeepSpeed's checkpoint engine reads, in order (FSDP2: none; a
+    # universal load reads its parameters' files past it, so there the last one noted need not be the culprit)
+    reader = None if universal else getattr(engine, "checkpoint_engine", None)
+    if reader is not None:
+        def noting(path, *args, **kwargs):
+            files.append([os.path.relpath(path, os.path.join(ckpt_dir, tag)), False])
+            out = read(path, *args, **kwargs)
+            files[-1][1] = True
+            return out
+        read, reader.load = reader.load, noting  # (on this instance, for this load: put back below)
     try:
         if universal:  # DeepSpeed's "checkpoint": {"load_universal": true}, for this one load
             engine._config.load_universal_checkpoint = True
@@ -356,10 +370,44 @@ def _load(engine, cfg, ckpt_dir, tag, universal, log):
     except (Exception, CheckpointException) as e:  # damage the cheap look cannot see (the unpickler, DCP...)
         if isinstance(e, CheckpointException) and e.failures:  # DCP: every rank's failure, tracebacks in text
             e = e.failures.get(torch.distributed.get_rank(), next(iter(e.failures.values())))[0]
-        return " ".join(f"{type(e).__name__}: {e}".split())[:200], None
+        if not files:
+            return describe(e), None
+        name, through = files[-1]
+        return f"{name}{' was read, but its contents did not load' if through else ' does not read'}: " \
+               f"{describe(e)}", None
     finally:
         if universal:
             engine._config.load_universal_checkpoint = False
+        if reader is not None:
+            reader.load = read
+
+
+def describe(e):
+    """An exception in one line: its type and message. An assert without a message (DeepSpeed has many) says what
+    was asserted, the statement and where it is; without its source, that a file failed DeepSpeed's check."""
+    import linecache
+    import traceback
+    msg = " ".join(str(e).split())
+    if isinstance(e, AssertionError) and not msg:
+        frames = traceback.extract_tb(e.__traceback__)
+        if frames and frames[-1].line:
+            f = frames[-1]  # the statement may run over lines: as many as make it whole Python
+            lines = [linecache.getline(f.filename, f.lineno + i).strip() for i in range(8)]
+            statement = next((" ".join(lines[:n]) for n in range(1, 9) if _whole(" ".join(lines[:n]))), f.line)
+            where = f.filename.split("site-packages/")[-1] if "site-packages/" in f.filename else \
+                os.path.basename(f.filename)
+            msg = f"`{statement}` failed ({where}:{f.lineno})"
+        else:
+            msg = "a file failed DeepSpeed's check"
+    return f"{type(e).__name__}: {msg}"[:300]
+
+
+def _whole(source):
+    try:
+        compile(source, "<assert>", "exec")
+        return True
+    except SyntaxError:
+        return False
 
 
 def _agreed(engine, why):
