@@ -92,8 +92,6 @@ def move_aside(ckpt_dir, tag, why, log=print):
     return aside
 
 
-
-
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
