@@ -523,9 +523,12 @@ def remove(out, names, so, whole):
 
 def create(work, names, settings, vol, so, opts):
     """The output's arrays at `work`, unless there (an interrupted run of the same settings). Those beside the
-    variable are tagged as predict's (predict_of) and made before it; its record, last, says they are all there."""
+    variable are tagged as predict's (predict_of) and made before it; its record, last, says they are all there. A
+    store of its own carries the record from its first write (its group's metadata), so that one killed while it was
+    being made is predict's to go on from, not a store it must refuse."""
     import zarr
-    root = zarr.open_group(work, mode="a", zarr_format=3, storage_options=so)
+    first = {} if names.variable else {"attributes": {"predict": {**settings, "complete": False}}}
+    root = zarr.open_group(work, mode="a", zarr_format=3, storage_options=so, **first)
     if names.prob in root and "predict" in root[names.prob].attrs:
         return
     tag = {"predict_of": {**MINE, "variable": names.prob}}
@@ -541,7 +544,7 @@ def create(work, names, settings, vol, so, opts):
                            "description": "class probabilities of scripts/predict.py"})
         for n, d in zip(("inline", "crossline", "time"), dims):
             c = root.create_array(d, shape=(len(coords[n]),), chunks=(len(coords[n]),), dtype="float64",
-                                  dimension_names=[d])
+                                  dimension_names=[d], overwrite=True)  # (a store of its own)
             c[:] = coords[n]
     # (overwrite: only ever predict's own of an interrupted create, which check_names found tagged)
     root.create_array(names.dead, shape=shape[:2], chunks=chunks[:2], dtype="uint8", fill_value=0,

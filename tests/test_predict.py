@@ -360,6 +360,21 @@ def test_one_predict_per_output_the_second_is_refused_and_a_dead_ones_lease_is_t
 
 
 @slow
+def test_a_store_killed_while_it_was_being_made_is_gone_on_from(predict_survey, tmp_path):
+    """A predict killed after its store's first write (the group, which carries its record) but before its arrays:
+    the same command goes on from it (not "not a prediction store", which even --overwrite could not clear)."""
+    store, _, sharp, _, _ = predict_survey
+    base = [sharp, store, "--dtype=float32", "--tile=16,16,32"]
+    ok(run_predict([*base, f"--out={tmp_path / 'ref.zarr'}"]))
+    rec = dict(zarr.open_group(tmp_path / "ref.zarr", mode="r").attrs["predict"])
+    rec = {k: v for k, v in rec.items() if k not in ("complete", "dead_traces")}
+    half = zarr.open_group(tmp_path / "p.zarr.partial", mode="w", attributes={"predict": {**rec, "complete": False}})
+    half.create_array("inline", shape=(3,), dtype="float64")  # (and one coordinate array, half written)
+    ok(run_predict([*base, f"--out={tmp_path / 'p.zarr'}"]))
+    assert np.abs(prob(tmp_path / "p.zarr") - prob(tmp_path / "ref.zarr")).max() <= 1e-6
+
+
+@slow
 def test_a_full_disk_is_one_line_the_tiles_are_kept_and_the_same_command_finishes(predict_survey, tmp_path):
     """--out on a real tmpfs too small for the prediction: one line (exit code 4) naming the write, the cause and what
     is kept; with room made, the same command finishes from the tiles written and equals a prediction on a disk
