@@ -192,7 +192,7 @@ class Lease:
         """Mark the lease fresh (its mtime), after checking it is still ours."""
         if not self._ours():
             holder, age = _read(self.path)
-            raise LeaseLost(f"the lease on {os.path.dirname(self.path)} was taken over by another run "
+            raise LeaseLost(f"the lease {self.path} was taken over by another run "
                             f"({_describe(holder or {}, age or 0)}) while this one was not refreshing it: stopping "
                             f"before writing anything more; one of the two runs must go (raise lease_min_s or "
                             f"lease_stale if this run was only slow)")
