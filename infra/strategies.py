@@ -17,10 +17,12 @@ Gradient semantics are the same under all three: the mean over the whole world (
 why that is the mean over samples with context parallelism too).
 """
 import os
+import threading
 
 import torch
 
 ZERO3_PERSIST = int(1e5)  # ZeRO-3 never partitions parameters of at most this many elements (DeepSpeed's default)
+LOCK_SAY_S = 5.0  # a wait for another process's build of DeepSpeed's CPU op says so after this long (a build: a minute)
 
 
 def build(model, cfg, dtype, device, make_optimizer):
@@ -135,7 +137,8 @@ def load_cpu_comm_op():
     forever, silently. So each rank loads the op here first, holding an flock of its own beside the baton (the
     kernel drops an flock when its holder dies): while it is held no process of ours is inside the baton, and a
     baton found then is a dead holder's, removed with a warning. DeepSpeed finds the op loaded (its builder keeps
-    it per process)."""
+    it per process). Waiting for that flock (another rank or run building the op: a minute of g++; or a holder
+    stopped with Ctrl-Z, or hung) says so after LOCK_SAY_S, once, naming the holder (flock_holders)."""
     import fcntl
 
     import deepspeed
@@ -145,14 +148,38 @@ def load_cpu_comm_op():
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         return  # DeepSpeed goes on without it, as it would
     folder = _get_build_directory(builder.name, False)  # (torch's own rule: TORCH_EXTENSIONS_DIR or ~/.cache)
-    with open(os.path.join(folder, "lock.holder"), "a") as guard:  # (closing it drops the flock)
-        fcntl.flock(guard, fcntl.LOCK_EX)
+    path = os.path.join(folder, "lock.holder")
+    with open(path, "a") as guard:  # (closing it drops the flock)
+        def say():
+            pids = ", ".join(f"pid {p}" for p in flock_holders(path) if p != os.getpid()) or "another process"
+            print(f"waiting for {path}: {pids} holds it while building DeepSpeed's CPU comm op there (a minute of "
+                  f"g++); this run goes on when it is done. A holder that died has let go already; one stopped or "
+                  f"hung keeps it until it ends: `fuser -v {path}` names it", flush=True)
+        timer = threading.Timer(LOCK_SAY_S, say)
+        timer.daemon = True
+        timer.start()
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+        finally:
+            timer.cancel()
         baton = os.path.join(folder, "lock")
         if os.path.exists(baton):
             print(f"WARNING: removing {baton}, left by a process killed while it built DeepSpeed's CPU comm op "
                   f"(every CPU run would wait on it forever)", flush=True)
             os.remove(baton)
         builder.load(verbose=False)
+
+
+def flock_holders(path):
+    """The pids holding an flock on `path`, from /proc/locks (Linux; elsewhere, or unreadable: [])."""
+    try:
+        st = os.stat(path)
+        with open("/proc/locks") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return []
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return sorted({int(r[4]) for r in rows if len(r) > 5 and r[1] == "FLOCK" and r[5] == dev and r[4].isdigit()})
 
 
 def set_fp32_master(opt, p, value):
