@@ -331,6 +331,15 @@ srun_cmd() {  # train.py's arguments
        "bash $(printf '%q' "$ROOT/launch.sh") --node $(printf '%q ' "$@")"
 }
 
+# each node's log ends with its first error line (run_ranks): the first of them, a node's own reason before a line
+# that only says it lost a peer on another node (or nothing, status 1: no node said one)
+first_node_error() {
+  local first
+  first=$({ grep -h '^error:' "$LOG_DIR"/node_*.log 2>/dev/null || true; } | { grep -v 'lost a peer' || true; } |
+          sed -n 1p)
+  first=${first:-$({ grep -h -m1 '^error:' "$LOG_DIR"/node_*.log 2>/dev/null || true; } | sed -n 1p)}
+  [ -n "$first" ] && echo "$first"
+}
 # a command's result, its JSON line (rank 0's, on whichever node it ran), repeated here from the per-node logs
 node_logs() { for ((i = 0; i < NODES; i++)); do echo "$LOG_DIR/node_$i.log"; done; }
 command_result() { node_logs | xargs grep -h '^{' 2>/dev/null | tail -n 1 || true; }
@@ -423,12 +432,8 @@ EOF
       if [ "$COMMAND" = 1 ]; then rm -f "$STOP_FILE"; fi  # (its line was said)
       exit 75
     fi
-    if [ "$rc" -ne 0 ]; then  # each node's log ends with its first error line (run_ranks): repeat the first
-      # (a node's own reason before a line that only says it lost a peer on another node)
-      first=$({ grep -h '^error:' "$LOG_DIR"/node_*.log 2>/dev/null || true; } | { grep -v 'lost a peer' || true; } |
-              sed -n 1p)
-      first=${first:-$({ grep -h -m1 '^error:' "$LOG_DIR"/node_*.log 2>/dev/null || true; } | sed -n 1p)}
-      echo "${first:-error: the step failed (srun exit $rc); per-node logs: $LOG_DIR/node_*.log}" >&2
+    if [ "$rc" -ne 0 ]; then
+      first_node_error >&2 || echo "error: the step failed (srun exit $rc); per-node logs: $LOG_DIR/node_*.log" >&2
     elif [ "$COMMAND" = 1 ]; then
       command_result
     fi
@@ -531,10 +536,10 @@ EOF
       end_with 130
     fi
     if [ "$rc" -ne 0 ]; then
-      echo "error: a node failed (exit $rc); stopping the others. Per-node logs: $LOG_DIR/node_*.log" >&2
-      grep -h -E "error|Error|rank" "$LOG_DIR"/node_*.log 2>/dev/null | grep -iE "fail|error" | head -5 >&2 || true
+      echo "launch.sh: a node failed (exit $rc); stopping the others. Per-node logs: $LOG_DIR/node_*.log" >&2
       for p in "${pids[@]}"; do kill -- -"$p" 2>/dev/null || kill "$p" 2>/dev/null || true; done
       wait || true
+      first_node_error >&2 || echo "error: a node failed (exit $rc); per-node logs: $LOG_DIR/node_*.log" >&2
       exit "$rc"
     fi
     ;;

@@ -101,10 +101,18 @@ def test_a_ranks_own_exit_code_and_error_line_are_launch_shs(tmp_path):
     ranks with exit code 2, which torchrun reports as 1 whatever the rank's code; launch.sh ends with the rank's own
     code (recorded with its line in MAE_ERROR_FILE), and the rank's error line is the last line, below torchrun's
     report."""
-    r = launch(["config/quickstart.py", f"--data_paths=['{tmp_path / 'missing.mdio'}']", "--make_synthetic=False",
-                f"--out_dir={tmp_path / 'run'}"], NPROC="2")
+    args = ["config/quickstart.py", f"--data_paths=['{tmp_path / 'missing.mdio'}']", "--make_synthetic=False",
+            f"--out_dir={tmp_path / 'run'}"]
+    r = launch(args, NPROC="2")
     last = (r.stdout + r.stderr).strip().splitlines()[-1]
     assert "ChildFailedError" in r.stderr, r.stderr[-3000:]  # (torchrun did see a failed rank, and said so above)
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert last.startswith("error: ") and f"'{tmp_path / 'missing.mdio'}' does not exist" in last, last
+    # the same through a node (HOSTFILE: a host named 127.0.0.1 runs here, without ssh): the node's launch.sh ends
+    # with the rank's code, and this one with the node's code and the rank's line, last
+    (tmp_path / "hosts").write_text("127.0.0.1\n")
+    r = launch(args, NPROC="2", HOSTFILE=str(tmp_path / "hosts"), LOG_DIR=str(tmp_path / "logs"), PORT="29671")
+    last = (r.stdout + r.stderr).strip().splitlines()[-1]
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
     assert last.startswith("error: ") and f"'{tmp_path / 'missing.mdio'}' does not exist" in last, last
 
