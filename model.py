@@ -580,7 +580,7 @@ def configure_optimizers(model, cfg, lr):
 
 SIZES = {  # name: (dim, depth, heads, dec_dim, dec_depth, dec_heads)
     "tiny":  (96, 4, 4, 64, 2, 4),
-    "mini":  (192, 6, 3, 64, 2, 4),  # between: 6x tiny's encoder weights, for CPU runs that ask whether width helps
+    "mini":  (192, 6, 3, 64, 2, 4),  # 6x tiny's encoder: experiments/label_efficiency's width question (via train.py)
     "small": (384, 12, 6, 256, 4, 8),
     "base":  (768, 12, 12, 512, 8, 16),
     "large": (1024, 24, 16, 512, 8, 16),

@@ -21,8 +21,8 @@ mask_ratio = 0.75
 # the loss on each masked patch normalised by its own mean and std, as the 16-node configs train (and MAE's
 # paper, whose features improved with it): the encoder learns waveform and structure, not amplitude, which
 # varies with gain and processing from survey to survey. It shows downstream: `python -m scripts.probe
-# out/quickstart` scores this model's features against a random encoder's (docs/after_training.md keeps the
-# table, with and without it)
+# out/quickstart` scores this model's features against a random encoder's (docs/after_training.md; the runs with
+# and without it: experiments/LOG.md, 2026-11-30)
 norm_pix_loss = True
 
 # 2 CPU ranks x micro_batch 8 = global batch 16; lr = blr * 16 / 256 = 1.5e-3; 500 steps = 8,000 samples, a

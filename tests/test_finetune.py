@@ -325,7 +325,7 @@ def test_the_label_efficiency_presets_yield_to_a_given_option_and_the_gpu_one_ru
 
     import configurator
     from model import SIZES, build_model
-    from scripts import label_efficiency as le
+    from experiments import label_efficiency as le
     a, counts = le.options(["--gpu", "--pretrain_steps=7", "--labels=1"])
     assert a.pretrain_steps == 7 and counts == [1] and a.pretrain_batch == le.GPU["pretrain_batch"]
     assert a.crop == (64, 64, 64) and a.patch == (8, 8, 16) and a.shape == 128 and a.freeze == 400
@@ -347,7 +347,7 @@ def test_the_label_efficiency_presets_yield_to_a_given_option_and_the_gpu_one_ru
 
 
 def test_the_label_efficiency_windows_blend_as_their_definition_says():
-    """The benchmark's ViT scoring (scripts.label_efficiency.predict): at overlap 0 the windows tile the volume, each
+    """The benchmark's ViT scoring (experiments.label_efficiency.predict): at overlap 0 the windows tile the volume, each
     voxel its one window's probability; at overlap 0.5 each voxel is sum_k w_k p_k / sum_k w_k over the windows
     covering it, checked against a survey-sized weight buffer built here window by window (the code sums 1D weights)."""
     import numpy as np
@@ -356,7 +356,7 @@ def test_the_label_efficiency_windows_blend_as_their_definition_says():
     import configurator
     import model as M
     from infra import sliding
-    from scripts import label_efficiency as le
+    from experiments import label_efficiency as le
     crop, shape = (8, 8, 16), (24, 16, 32)
     torch.manual_seed(0)
     net = M.build_model({**configurator.defaults(), "model_size": "tiny", "crop": crop, "patch": (2, 2, 8),
@@ -390,12 +390,12 @@ def test_the_label_efficiency_windows_blend_as_their_definition_says():
 
 
 def test_the_label_efficiency_scores_match_their_definitions_on_small_cases():
-    """scripts.label_efficiency.scores: IoU and Dice at 0.5, AP, the fraction called fault and the IoU at the best
+    """experiments.label_efficiency.scores: IoU and Dice at 0.5, AP, the fraction called fault and the IoU at the best
     single threshold, on cases worked by hand; a threshold cannot split voxels of equal probability, and a map that ranks
     every fault first but never reaches 0.5 scores IoU 0 at 0.5 and 1 at its best threshold."""
     import numpy as np
 
-    from scripts import label_efficiency as le
+    from experiments import label_efficiency as le
     s = le.scores(np.array([0.9, 0.8, 0.8, 0.1]), np.array([1, 0, 1, 0]))
     # at 0.5: called 3 of 4, tp 2, fp 1, fn 0; thresholds keep the top 1, 3 or 4: IoU 1/2, 2/3, 2/4
     assert s["iou"] == 2 / 3 and s["dice"] == 4 / 5 and s["called"] == 3 / 4 and s["iou_best"] == 2 / 3
@@ -409,7 +409,7 @@ def test_the_label_efficiency_scores_match_their_definitions_on_small_cases():
 
 @pytest.mark.slow
 def test_the_label_efficiency_table_runs_small(tmp_path):
-    """`python -m scripts.label_efficiency --quick`: the models on the same draws, the table, and its JSON line last
+    """`python -m experiments.label_efficiency --quick`: the models on the same draws, the table, and its JSON line last
     with by_labels (IoU means per model, the paired difference to each baseline and its standard error, the best
     one's, and `won`). Not thresholded: which wins is a measurement (README). With --freeze over all its steps and
     --freeze_twin the pretrained ViT's encoder is the pretraining's bit for bit, the frozen twin's is its seed's fresh
@@ -422,7 +422,7 @@ def test_the_label_efficiency_table_runs_small(tmp_path):
 
     from conftest import ROOT, job_env
     from model import build_model
-    r = subprocess.run([sys.executable, "-m", "scripts.label_efficiency", "--quick", "--flip", "--freeze=10",
+    r = subprocess.run([sys.executable, "-m", "experiments.label_efficiency", "--quick", "--flip", "--freeze=10",
                         "--freeze_twin", "--snr_db=0", f"--out={tmp_path / 'le'}"], cwd=ROOT, env=job_env(),
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]

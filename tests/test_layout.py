@@ -1,7 +1,8 @@
 """The layout's rules, read from the files themselves (README: "the shape of the code"):
   * the top level's Python files are the card's files a researcher reads and edits (unetr.py: the fine-tuning head);
-  * dependencies run one way: scripts/ and bench/ -> train.py, data.py -> infra/ -> model.py, unetr.py,
-    ring_attention.py, configurator.py, which import only each other. infra/ never imports train.py or data.py;
+  * dependencies run one way: experiments/ -> scripts/ and bench/ -> train.py, data.py -> infra/ -> model.py, unetr.py,
+    ring_attention.py, configurator.py, which import only each other. experiments/ (research questions the code
+    answers) may import everything, and nothing imports it. infra/ never imports train.py or data.py;
     nothing outside scripts/ and bench/ imports them, neither imports the other, and no import (at the top of a file
     or inside a function) closes a circle. An exception (EXCEPTIONS: none) would be named here and in the README, and
     stays in the rule only while its import is there.
@@ -13,13 +14,13 @@ import shutil
 from conftest import ROOT
 
 TOP = {"train", "model", "unetr", "data", "ring_attention", "configurator"}
-FOLDERS = ("infra", "scripts", "bench")
+FOLDERS = ("infra", "scripts", "bench", "experiments")
 BOTTOM = {"model", "unetr", "ring_attention", "configurator"}  # what infra/ builds on: they import only each other
 EXCEPTIONS = set()  # (importer, imported) against the one way, each one named in the README: none
 
 
 def modules(root):
-    """{module name: path} of the project's Python files: top level and the three folders (tests/ aside)."""
+    """{module name: path} of the project's Python files: top level and the folders (tests/ aside)."""
     out = {f[:-3]: os.path.join(root, f) for f in os.listdir(root) if f.endswith(".py")}
     for d in FOLDERS:
         for f in os.listdir(os.path.join(root, d)):
@@ -42,8 +43,10 @@ def imports(path, mods):
 
 
 def layer(m):
-    """How high a module stands: 3 the commands (scripts/, bench/), 2 train.py and data.py, 1 infra/, 0 the bottom.
-    A module imports its own layer and the ones below it."""
+    """How high a module stands: 4 the research questions (experiments/), 3 the commands (scripts/, bench/), 2 train.py
+    and data.py, 1 infra/, 0 the bottom. A module imports its own layer and the ones below it."""
+    if m.startswith("experiments."):
+        return 4
     if m.split(".")[0] in ("scripts", "bench"):
         return 3
     if m.startswith("infra."):
@@ -54,6 +57,8 @@ def layer(m):
 def why(m, d):
     """The rule an import m -> d against the one way breaks, in words."""
     folder, d_folder = m.split(".")[0], d.split(".")[0]
+    if d_folder == "experiments":
+        return "nothing imports experiments/: research questions sit on top of the product, never under it"
     if d_folder in ("scripts", "bench"):
         return ("scripts/ and bench/ never import each other" if folder in ("scripts", "bench")
                 else "nothing outside scripts/ and bench/ may import them")
@@ -123,6 +128,7 @@ def test_the_checker_catches_each_planted_violation(tmp_path):
     plant("configurator.py", "import data")  # the bottom importing the layer above infra/
     plant("infra/plan.py", "def _f():\n    import data")  # infra/ importing data.py, in a function
     plant("scripts/plan.py", "from bench import plan")  # one command folder importing the other
+    plant("bench/plan.py", "from experiments import label_efficiency")  # the product leaning on a research question
     (root / "helpers.py").write_text("x = 1\n")  # a seventh file at the top
     found = "\n".join(violations(str(root)))
     for want in ("infra.evaluate imports train: infra/ never imports train.py",
@@ -130,6 +136,7 @@ def test_the_checker_catches_each_planted_violation(tmp_path):
                  "configurator imports data: configurator.py is below",
                  "infra.plan imports data: infra/ never imports data.py",
                  "scripts.plan imports bench.plan: scripts/ and bench/ never import each other",
+                 "bench.plan imports experiments.label_efficiency: nothing imports experiments/",
                  "helpers", "import circle: "):
         assert want in found, (want, found)
 

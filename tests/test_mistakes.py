@@ -192,7 +192,7 @@ def test_reconstruct_and_label_efficiency_keep_to_their_own_outputs(models, smal
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "thesis.tex").write_text("chapter 1")
-    one_error_line(command("-m", "scripts.label_efficiency", "--quick", f"--out={mine}"),
+    one_error_line(command("-m", "experiments.label_efficiency", "--quick", f"--out={mine}"),
                    "a folder label_efficiency did not make")
     assert os.listdir(mine) == ["thesis.tex"]
 
@@ -395,8 +395,9 @@ def test_every_command_option_is_checked_before_any_work(models, small_store, tm
              "embed": [a, small_store, f"--out={tmp_path / 'f.zarr'}"], "reconstruct": [a, f"--out={tmp_path / 'r.png'}"],
              "probe": [a], "label_efficiency": [], "plan": ["config/quickstart.py"]}
     for name, (bad, free) in OPTIONS.items():
-        mod = __import__(f"scripts.{name}", fromlist=["main"])
-        helped = subprocess.run([sys.executable, "-m", f"scripts.{name}", *(["index"] if name == "library" else []),
+        module = f"{'experiments' if name == 'label_efficiency' else 'scripts'}.{name}"  # (a research question's)
+        mod = __import__(module, fromlist=["main"])
+        helped = subprocess.run([sys.executable, "-m", module, *(["index"] if name == "library" else []),
                                  "--help"], cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
         if name == "library":
             helped = subprocess.run([sys.executable, "-m", "scripts.library", "index", "x", "--out=y", "--help"],
@@ -427,10 +428,10 @@ def test_the_options_that_crashed_are_one_line_before_any_work(models, tmp_path)
     fail after 218 s of pretraining), --batch=0, --patch=0, --labels=a; probe's --steps=0 and --n_faults=-1; and
     reconstruct's --mask_ratio=0.999, which training refuses (every token masked)."""
     before = snapshot(models[0])
-    for args, says in ((("-m", "scripts.label_efficiency", "--test=0", f"--out={tmp_path / 'le'}"), "--test=0"),
-                       (("-m", "scripts.label_efficiency", "--batch=0"), "--batch=0"),
-                       (("-m", "scripts.label_efficiency", "--patch=0"), "--patch=0"),
-                       (("-m", "scripts.label_efficiency", "--labels=a"), "--labels='a'"),
+    for args, says in ((("-m", "experiments.label_efficiency", "--test=0", f"--out={tmp_path / 'le'}"), "--test=0"),
+                       (("-m", "experiments.label_efficiency", "--batch=0"), "--batch=0"),
+                       (("-m", "experiments.label_efficiency", "--patch=0"), "--patch=0"),
+                       (("-m", "experiments.label_efficiency", "--labels=a"), "--labels='a'"),
                        (("-m", "scripts.probe", str(models[0]), "--steps=0"), "--steps=0"),
                        (("-m", "scripts.probe", str(models[0]), "--n_faults=-1"), "--n_faults=-1"),
                        (("-m", "scripts.reconstruct", str(models[0]), "--mask_ratio=0.999"), "leaves no visible token")):

@@ -2,9 +2,9 @@
 Does pretraining pay? Fault segmentation with few labelled volumes, from a pretrained encoder against the same ViT
 from scratch and against a small 3D U-Net from scratch (the field's standard since FaultSeg3D), side by side.
 
-    python -m scripts.label_efficiency [--labels=1,2,4] [--seeds=3] [--seed=0] [--out=DIR]   the table, JSON last
-    python -m scripts.label_efficiency --quick                                               a small table, for the tests
-    python -m scripts.label_efficiency --gpu --freeze_twin --labels=1                        GPU scale (~8 min planned)
+    python -m experiments.label_efficiency [--labels=1,2,4] [--seeds=3] [--seed=0] [--out=DIR]   the table, JSON last
+    python -m experiments.label_efficiency --quick                                               a small table, for the tests
+    python -m experiments.label_efficiency --gpu --freeze_twin --labels=1                        GPU scale (~8 min planned)
 
 Every volume is FaultSeg3D's recipe (infra/synthetic.faultseg_volume: cut from the recipe's 128^3, so its faults are
 as dense), written as an MDIO store with its `fault` labels. Once: train.py pretrains a ViT-MAE (task="mae") on
@@ -267,7 +267,7 @@ def claim_folder(a):
     return a.out
 
 
-# The recipe that learns on this machine (docs/after_training.md, one knob at a time): patches thin in space and long
+# The recipe that learns on this machine (experiments/LOG.md, 2026-12-02: a pretraining recipe that learns): patches thin in space and long
 # in time, as traces are (2 x 2 x 16 in crops of 16 x 16 x 64: 256 tokens), the configs' norm_pix_loss, a batch of
 # 16 at blr 4.8e-2 (lr 3e-3), 3,000 steps: about 8 minutes of the 2-core CPU's time.
 QUICK = dict(labels="1", seeds=2, shape=32, crop="16,16,32", patch="2,2,16", unlabelled=2, test=1, pretrain_steps=20,
@@ -301,7 +301,7 @@ def pretraining_record(out):
 def options(argv):
     """The command line: --quick and --gpu are presets of the other options' defaults, so an option given beside one
     wins over it (`--gpu --pretrain_steps=100`); every option checked (check_options). Returns (options, counts)."""
-    ap = argparse.ArgumentParser(prog="python -m scripts.label_efficiency", description=__doc__.split("\n")[1])
+    ap = argparse.ArgumentParser(prog="python -m experiments.label_efficiency", description=__doc__.split("\n")[1])
     ap.add_argument("--labels", default="1,2,4", help="labelled volumes per fine-tuning, e.g. 1,2,4,8")
     ap.add_argument("--seeds", type=int, default=3, help="draws per label count (paired across the models)")
     ap.add_argument("--seed", type=int, default=0, help="shifts every seed: a fresh draw of the whole table")
