@@ -1,5 +1,7 @@
 """
-The config: every key with its default and meaning (the block below), and how config files and overrides change
+The config: every key with its default and meaning (the block below: first the researcher's keys, the sample and
+model, data, masking, optimizer, schedule, fine-tuning, cp, strategy and validation; then one block of operations
+keys: the run's folder and checkpoints, reading the stores, the cluster), and how config files and overrides change
 them, nanoGPT style, without magic beyond exec.
 
     python train.py config/quickstart.py --max_steps=50 --crop=(64,64,64)
@@ -27,42 +29,41 @@ from model import SIZES, aligned_heads, build_model, token_grid
 
 # -----------------------------------------------------------------------------
 # every config key and its default (config/*.py files and --key=value change them)
-# I/O
-out_dir = "out/quickstart"  # logs and checkpoints (task="segment" from init_from = this out_dir: out_dir + "_segment")
-data_paths = ["data/quickstart.mdio"]  # MDIO v1/v0 stores or 3D Zarr arrays (local, s3://, any fsspec URL), glob
-#                                        patterns (s3://bucket/library/*.mdio) and @manifests (python -m scripts.library index)
-sample_weighting = "volume"  # volume: a store drawn by its live voxels | uniform | manifest (each line's "weight")
-max_open_stores = 64  # stores kept open per rank (least recently used closed first): flat memory for any library
-make_synthetic = False  # create a synthetic volume at data_paths[0] if it does not exist (quickstart); a local
-#                          path only: a remote one (s3://) must hold the store, it is never written to
-synthetic_shape = (128, 128, 256)  # (inline, crossline, time) of that synthetic volume
-synthetic_chunks = (64, 64, 64)  # its Zarr chunks
-# data streaming (infra/reader.py, data.py)
-in_flight = 16  # requests in flight per rank (on one event loop; also sizes the S3 connection pool)
-read_threads = 0  # decompression threads per rank (0: the CPUs this rank may use / the ranks on its node)
-prefetch = 2  # micro batches read ahead of compute
-align_crops = False  # crop origins on chunk boundaries: fewest chunks (and bytes) per crop
-store_chunks = (128, 128, 128)  # the chunks data_paths' stores were written in (MDIO's default): what the
-#                                 planner prices S3 requests at, one GET a chunk; the reader reads each store's own
-min_live = 0.0  # skip crops whose live-trace fraction is below this
-flip_crops = False  # augmentation: training crops (and labels) mirrored at random along inline and crossline, each
-#                     with probability 1/2, as a function of the sample's index (data.Sampler's flip); never validation
-read_retries = 6  # retries of a failing chunk request (exponential backoff, jitter), then an error
-read_timeout_s = 30.0  # a request that has not answered by then is retried
-s3_anon = False  # anonymous S3 (public buckets); else the normal AWS credential chain
-s3_endpoint = ""  # S3-compatible endpoint URL (MinIO, a loopback test server); "" = AWS
-# sample and model
+# ---- the researcher's keys: what is trained, on what, how
+# the sample and the model
 crop = (64, 64, 128)  # voxels per sample, (inline, crossline, time)
 patch = (16, 16, 16)  # voxels per token
 model_size = "tiny"  # tiny | mini | small | base | large | huge | giant | G (model.SIZES: width, depth, heads)
 heads = 0  # encoder attention heads; 0 = the size's own. Width / heads = the head dim: 64 or 128 run the GPU's
 #            fused attention fastest (python -m scripts.plan CONFIG prints the step at both layouts)
 dec_heads = 0  # the decoder's, likewise (its width is 512 from base up: 4 heads of 128)
+# the data (infra/reader.py, data.py)
+data_paths = ["data/quickstart.mdio"]  # MDIO v1/v0 stores or 3D Zarr arrays (local, s3://, any fsspec URL), glob
+#                                        patterns (s3://bucket/library/*.mdio) and @manifests (python -m scripts.library index)
+sample_weighting = "volume"  # volume: a store drawn by its live voxels | uniform | manifest (each line's "weight")
+min_live = 0.0  # skip crops whose live-trace fraction is below this
+flip_crops = False  # augmentation: training crops (and labels) mirrored at random along inline and crossline, each
+#                     with probability 1/2, as a function of the sample's index (data.Sampler's flip); never validation
+make_synthetic = False  # create a synthetic volume at data_paths[0] if it does not exist (quickstart); a local
+#                          path only: a remote one (s3://) must hold the store, it is never written to
+synthetic_shape = (128, 128, 256)  # (inline, crossline, time) of that synthetic volume
+synthetic_chunks = (64, 64, 64)  # its Zarr chunks
+seed = 0  # data, mask and init randomness
+# masking and the loss
 mask_ratio = 0.75  # fraction of tokens hidden from the encoder
 norm_pix_loss = False  # normalise each target patch by its own mean / std
-compile = False  # torch.compile each block (the ring stays one opaque op); off until measured on a GPU
-grad_ckpt = False  # activation checkpointing: keep a block's input only, recompute the block in backward
-ckpt_blocks = -1  # with grad_ckpt: how many blocks (-1 every one; model.ckpt_order which; infra/plan.py: the least)
+mask_strata = 0  # masking strata (a multiple of cp; 0 = cp). Fix it to make masks independent of cp
+# the optimizer
+micro_batch = 2  # samples per rank per micro step
+grad_accum = 1  # micro steps per optimizer step
+blr = 1.5e-4  # base learning rate; lr = blr * global_batch / 256
+weight_decay = 0.05  # AdamW, on weight matrices only (not biases, norms, cls/mask tokens)
+beta1, beta2 = 0.9, 0.95
+grad_clip = 1.0  # max global gradient norm; 0 = off
+# the schedule
+max_steps = 200  # optimizer steps in the whole run
+warmup_steps = 20  # linear warmup from lr/warmup_steps to lr
+min_lr = 0.0  # lr at the last step (half-cosine decay after warmup)
 # fine-tuning: the encoder (every token visible) and the decoder's blocks as a head that classifies every voxel
 task = "mae"  # mae (pretraining) | segment (fine-tuning on label_var; start from init_from, or from scratch)
 label_var = "fault"  # segment: the stores' integer class variable beside the amplitude (MDIO v1), on its grid
@@ -73,22 +74,16 @@ seg_head = "unetr"  # segment: unetr (features of several encoder depths up to e
 seg_features = 16  # segment, unetr: channels at full resolution (x 2 at each coarser level), UNETR's feature size
 layer_decay = 1.0  # segment: encoder block k's lr x layer_decay^(depth - k), the embedding's ^(depth + 1) (MAE: 0.75)
 freeze_encoder_steps = 0  # segment: the encoder's lr is 0 for the first steps, the head alone learns (then all: LP-FT)
+init_from = ""  # a new run starts from these weights (scripts/export.py's model file, or an out_dir): warm start, step 0
 # context parallelism: each sample's tokens split over cp ranks (contiguous inline slabs)
 cp = 1  # ranks per sample; world size must be a multiple; at most one node (8) in practice
 cp_impl = "ring"  # ring (ring_attention.py) | torch (PyTorch's own ring functions, checked against ours at start)
-mask_strata = 0  # masking strata (a multiple of cp; 0 = cp). Fix it to make masks independent of cp
-# optimisation
-max_steps = 200  # optimizer steps in the whole run
-micro_batch = 2  # samples per rank per micro step
-grad_accum = 1  # micro steps per optimizer step
-blr = 1.5e-4  # base learning rate; lr = blr * global_batch / 256
-min_lr = 0.0  # lr at the last step (half-cosine decay after warmup)
-warmup_steps = 20  # linear warmup from lr/warmup_steps to lr
-weight_decay = 0.05  # AdamW, on weight matrices only (not biases, norms, cls/mask tokens)
-beta1, beta2 = 0.9, 0.95
-grad_clip = 1.0  # max global gradient norm; 0 = off
-dtype = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
+# the strategy, precision and memory
 strategy = "zero2"  # zero2 (DeepSpeed ZeRO-2) | zero3 (DeepSpeed ZeRO-3) | fsdp2 (PyTorch fully_shard)
+dtype = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
+grad_ckpt = False  # activation checkpointing: keep a block's input only, recompute the block in backward
+ckpt_blocks = -1  # with grad_ckpt: how many blocks (-1 every one; model.ckpt_order which; infra/plan.py: the least)
+compile = False  # torch.compile each block (the ring stays one opaque op); off until measured on a GPU
 zero_bucket = int(5e8)  # DeepSpeed's gradient bucket, in elements (its default): GPU memory vs. fewer collectives
 zero3_max_live = int(1e9)  # ZeRO-3: weights reused within this many elements stay gathered; caps prefetch too
 # validation (infra/evaluate.py; segment: the loss and IoU / Dice per class) and figures
@@ -101,24 +96,37 @@ val_floor = True  # mae: also score a predictor that learns nothing (kriging, in
 eval_only = False  # evaluate the newest complete checkpoint (val_loss and its figure), then exit
 figures = True  # rank 0 writes out_dir/figures/recon_step_N.png and loss.png at each evaluation (matplotlib)
 tensorboard = False  # also send scalars and figures to torch.utils.tensorboard, in out_dir/tb
-# logging and checkpoints
+
+# ---- operations: where a run writes, how it reads, how it stops and resumes, the cluster
+# the run's folder, its log and checkpoints
+out_dir = "out/quickstart"  # logs and checkpoints (task="segment" from init_from = this out_dir: out_dir + "_segment")
 log_interval = 10  # steps between log lines
 ckpt_interval = 100  # steps between checkpoints (one is also written at the end)
 keep_ckpts = 2  # complete checkpoints kept; keep >= 2: the newest may be mid-write when a job dies
 resume = True  # continue from the newest complete checkpoint in out_dir, if any (on any world size: infra/checkpoint.py)
 allow_batch_change = False  # resume with another global batch: the stream goes on at the next unseen sample
-init_from = ""  # a new run starts from these weights (scripts/export.py's model file, or an out_dir): warm start, step 0
-ckpt_write_gbps = 2.0  # out_dir's write bandwidth, GB/s: the planner's checkpoint time (and stop_lead_s's)
 stop_step = 0  # > 0: stop after this step as if interrupted (checkpoint, exit); tests use it
 lease_stale = 10.0  # out_dir's lease (infra/lease.py) is stale after this many times the gap between its refreshes
 lease_min_s = 300.0  # ... and never sooner than this (start-up, a long evaluation); a dead holder on this host: at once
-seed = 0  # data, mask and init randomness
-gpu_peak_flops = 989e12  # dense bf16 FLOP/s of one GPU for MFU (H100/H200 SXM)
-# the cluster (launch.sh and the planner read these)
+# reading the stores (infra/reader.py)
+in_flight = 16  # requests in flight per rank (on one event loop; also sizes the S3 connection pool)
+read_threads = 0  # decompression threads per rank (0: the CPUs this rank may use / the ranks on its node)
+prefetch = 2  # micro batches read ahead of compute
+align_crops = False  # crop origins on chunk boundaries: fewest chunks (and bytes) per crop
+max_open_stores = 64  # stores kept open per rank (least recently used closed first): flat memory for any library
+read_retries = 6  # retries of a failing chunk request (exponential backoff, jitter), then an error
+read_timeout_s = 30.0  # a request that has not answered by then is retried
+s3_anon = False  # anonymous S3 (public buckets); else the normal AWS credential chain
+s3_endpoint = ""  # S3-compatible endpoint URL (MinIO, a loopback test server); "" = AWS
+store_chunks = (128, 128, 128)  # the chunks data_paths' stores were written in (MDIO's default): what the
+#                                 planner prices S3 requests at, one GET a chunk; the reader reads each store's own
+# the cluster and the planner (launch.sh and infra/plan.py read these)
 nodes = 1  # nodes the job runs on
 gpus_per_node = 0  # ranks per node; 0 = every GPU of the machine (or NPROC / 2 CPU ranks without GPU)
 stop_lead_s = 0  # SLURM sends SIGUSR1 this long before the time limit: a checkpoint, exit 75; 0 = the planner's
 dry_run = False  # validate and plan for nodes x gpus_per_node, print, exit (DRY_RUN=1 bash launch.sh ...)
+gpu_peak_flops = 989e12  # dense bf16 FLOP/s of one GPU for MFU (H100/H200 SXM)
+ckpt_write_gbps = 2.0  # out_dir's write bandwidth, GB/s: the planner's checkpoint time (and stop_lead_s's)
 
 KEYS = [k for k, v in list(globals().items())
         if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple, list))]
