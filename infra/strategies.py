@@ -17,6 +17,7 @@ Gradient semantics are the same under all three: the mean over the whole world (
 why that is the mean over samples with context parallelism too).
 """
 import os
+import sys
 import threading
 
 import torch
@@ -138,7 +139,12 @@ def load_cpu_comm_op():
     kernel drops an flock when its holder dies): while it is held no process of ours is inside the baton, and a
     baton found then is a dead holder's, removed with a warning. DeepSpeed finds the op loaded (its builder keeps
     it per process). Waiting for that flock (another rank or run building the op: a minute of g++; or a holder
-    stopped with Ctrl-Z, or hung) says so after LOCK_SAY_S, once, naming the holder (flock_holders)."""
+    stopped with Ctrl-Z, or hung) says so after LOCK_SAY_S, once, naming the holder (flock_holders).
+    One ninja for every run (one_ninja): torch runs the `ninja` first on PATH, and two of them disagree about the
+    folder's build log (pip's ninja 1.13, a deepspeed dependency in the venv, hashes its commands otherwise than a
+    system ninja 1.11), so each rebuilt what the other had built: a minute of g++ for every run that followed one
+    started the other way (`bash launch.sh`, which puts the venv first on PATH, after `python train.py`, which need
+    not), with every other run waiting on the lock meanwhile."""
     import fcntl
 
     import deepspeed
@@ -167,7 +173,17 @@ def load_cpu_comm_op():
             print(f"WARNING: removing {baton}, left by a process killed while it built DeepSpeed's CPU comm op "
                   f"(every CPU run would wait on it forever)", flush=True)
             os.remove(baton)
+        one_ninja()
         builder.load(verbose=False)
+
+
+def one_ninja():
+    """The ninja installed beside this interpreter (the venv's, a deepspeed dependency) first on PATH, where there
+    is one: every run builds with the same ninja however it was started (load_cpu_comm_op says why)."""
+    here = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if os.path.exists(os.path.join(here, "ninja")) and path.split(os.pathsep)[0] != here:
+        os.environ["PATH"] = here + os.pathsep + path
 
 
 def flock_holders(path):

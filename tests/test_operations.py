@@ -222,6 +222,27 @@ def test_a_read_only_checkpoint_directory_is_the_same_clear_error(tmp_path):
 
 
 @pytest.mark.slow
+def test_runs_started_with_and_without_the_venv_on_path_build_deepspeeds_cpu_op_once():
+    """`python train.py` (the venv's bin not on PATH: the system's ninja) and `bash launch.sh` (the venv's first: pip's
+    ninja) used to rebuild each other's build of the op, a minute each, since two ninjas disagree about its build log:
+    once built, loading it from either start adds nothing to the log (no command was run again)."""
+    from torch.utils.cpp_extension import _get_build_directory
+    log = os.path.join(_get_build_directory("deepspeed_shm_comm", False), ".ninja_log")
+    here = os.path.dirname(sys.executable)
+    bare = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != here)
+
+    def load(path):
+        r = subprocess.run([sys.executable, "-c", "from infra import strategies; strategies.load_cpu_comm_op()"],
+                           cwd=ROOT, env=job_env(PATH=path), capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        with open(log) as f:
+            return f.read()
+    built = load(bare)  # (built here if no run has yet)
+    for path in (here + os.pathsep + bare, bare, here + os.pathsep + bare):
+        assert load(path) == built, "the op was built again"
+
+
+@pytest.mark.slow
 def test_a_lock_left_by_a_killed_build_of_deepspeeds_cpu_op_is_removed(small_store, tmp_path):
     """torch's file baton is a bare lock file in the op's build folder: a rank killed inside it (a scancel, a kill -9,
     a timeout while DeepSpeed built or re-checked its CPU comm op) leaves it, and every later CPU run waited on it
