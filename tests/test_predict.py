@@ -325,7 +325,8 @@ def test_one_predict_per_output_the_second_is_refused_and_a_dead_ones_lease_is_t
     store, _, sharp, _, _ = predict_survey
     base = [sharp, store, "--dtype=float32", "--tile=16,16,32"]  # 12 tiles
     out = tmp_path / "p.zarr"
-    first = subprocess.Popen([sys.executable, "-m", "scripts.predict", *base, f"--out={out}", "--slow_tile=0.5"],
+    # (2 s a tile: the second predict's start-up must find the first still running, on a busy machine too)
+    first = subprocess.Popen([sys.executable, "-m", "scripts.predict", *base, f"--out={out}", "--slow_tile=2"],
                              cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
