@@ -2,7 +2,7 @@
 Distributed setup, in one place: the environment torch.distributed reads, the process group, the context-parallel
 groups, and work that rank 0 does for everyone.
 
-    free_port()               a free TCP port on this machine (a world of 1, a test's rendezvous)
+    free_port()               a free TCP port on this machine (a test's rendezvous, a loopback server)
     init()                    torch.distributed started for this process -> (rank, world, device)
     group_kwargs(on_gpu, lr)  init_process_group's arguments: NCCL bound to the local rank's GPU, or gloo
     die_with_launcher()       under torchrun: this rank ends as soon as its torchrun is gone (init calls it)
@@ -31,24 +31,28 @@ def free_port():
 
 
 def init():
-    """Start torch.distributed: torchrun's environment, or a world of 1 on a free local port (a bare python).
-    NCCL on GPUs (one per local rank), gloo on CPU. DeepSpeed's accelerator is chosen here, before anything
-    imports deepspeed: it reads DS_ACCELERATOR once, at import. Returns (rank, world, device)."""
+    """Start torch.distributed: torchrun's environment, or a world of 1 (a bare python) whose rendezvous is an
+    in-process store: a lone process opens no port, so two commands started at once (a predict and a second one
+    the lease refuses) cannot collide on one (a free port found, closed and bound again is a race a busy machine
+    loses). NCCL on GPUs (one per local rank), gloo on CPU. DeepSpeed's accelerator is chosen here, before
+    anything imports deepspeed: it reads DS_ACCELERATOR once, at import. Returns (rank, world, device)."""
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("MASTER_PORT", "0")  # (read by nobody when alone; DeepSpeed only checks that it is set)
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     elif os.environ.get("DS_ACCELERATOR") == "cpu":
         del os.environ["DS_ACCELERATOR"]  # inherited from a CPU machine (a login node): wrong here
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    alone = world == 1 and not os.environ.get("TORCHELASTIC_RUN_ID")
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # (torchrun sets it for the ranks it starts)
         die_with_launcher()
     if on_gpu:
         torch.cuda.set_device(local)
     if not dist.is_initialized():
-        dist.init_process_group(**group_kwargs(on_gpu, local))
+        lone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}
+        dist.init_process_group(**group_kwargs(on_gpu, local), **lone)
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # (every rank has joined: its node's peers exist)
         siblings.update(find_siblings())
     return rank, world, torch.device("cuda", local) if on_gpu else torch.device("cpu")
