@@ -7,8 +7,9 @@ Pretrain a 3D ViT-MAE on seismic volumes with DeepSpeed ZeRO-2 (or ZeRO-3, or FS
 Read top to bottom: check() (every key, its default, meaning and check are in configurator.py; every bad input
 fails here, before any work), the lr schedule, setup (distributed, data, the model and its optimizer from model.py,
 the strategy's engine), one training step, main() (the config, its check, the dry run or setup) and run(): resume,
-then the loop. What the loop asks at a step boundary, whether to checkpoint and whether to stop, infra/ops.py
-answers (it owns the lease, the stop signals and the checkpoint writes); infra/runlog.py writes the log.
+then the loop. The run's operations are infra/ops.py's: main() enters them once (out_dir's lease, how a Ctrl-C
+ends), and the loop asks them at each step boundary whether to checkpoint and whether to stop (the stop signals,
+the checkpoint writes); infra/runlog.py writes the log.
 One training step is grad_accum micro steps of micro_batch samples on each of the dp_size data-parallel
 ranks, and each sample is split over the cp ranks of a context-parallel group:
     world        = dp_size * cp                                 (CP groups: contiguous ranks, one node)
@@ -23,31 +24,24 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import sys
 import threading
 import time
 
-if __name__ == "__main__":  # a Ctrl-C while the imports below run (seconds) ends the process with one line: under
-    # launch.sh the ranks inherit torchrun's ignored SIGINT and launch.sh passes each Ctrl-C on; from cli() on,
-    # infra/stop.py's handler has it (0 under launch.sh, which then says how the run ended; else the shell's 130)
-    def _interrupted_at_start(*_):
-        if os.environ.get("RANK", "0") == "0":
-            os.write(2, b"interrupted (Ctrl-C) during start-up, before anything was written\n")
-        os._exit(0 if os.environ.get("MAE_LAUNCHER") == "launch.sh" else 130)
-    signal.signal(signal.SIGINT, _interrupted_at_start)
+if __name__ == "__main__":  # a Ctrl-C during the imports below (seconds): one line, not a traceback
+    from infra.stop import interruptible_start
+    interruptible_start()
 
 import torch
 
 import configurator
 import data
 import ring_attention
-from infra import checkpoint, distributed, dryrun, evaluate, lease, modelfile, outputs, plan, strategies, torch_cp
-from infra import stop as stop_signals
+from infra import checkpoint, distributed, dryrun, evaluate, modelfile, outputs, strategies, torch_cp
 from infra.cli import run as run_cli
-from infra.ops import Operations, where_it_stands
-from infra.runlog import RunLog, check_log
-from infra.stop import Interrupted, StopRequest, launched
+from infra.ops import Operations
+from infra.runlog import RunLog, check_log, describe
+from infra.stop import StopRequest, launched
 from model import build_model, configure_optimizers, mask_noise
 
 # -----------------------------------------------------------------------------
@@ -56,17 +50,9 @@ from model import build_model, configure_optimizers, mask_noise
 
 def check(cfg):
     """Every bad input that can be found before any work: each key's value (configurator.check_config), then the
-    folder the run writes into (an existing file, a store it reads: infra/outputs.py) and its ckpt/ (a read-only one,
-    say a copy kept from another machine, would lose every step until the first checkpoint failed)."""
+    folder the run writes into and its ckpt/ (an existing file, a read-only one, a store it reads: infra/outputs.py)."""
     configurator.check_config(cfg)
-    outputs.check_dir(cfg["out_dir"], "out_dir")
-    ckpt = os.path.join(cfg["out_dir"], "ckpt")  # (not outputs.check_dir: it refuses a run's ckpt/ to other writers)
-    if os.path.exists(ckpt) and not os.path.isdir(ckpt):
-        raise configurator.ConfigError(f"out_dir/ckpt={ckpt!r} is a file, not a folder: the run's checkpoints go "
-                                       f"there; move the file away, or choose another out_dir")
-    if os.path.isdir(ckpt) and (not os.access(ckpt, os.W_OK | os.X_OK) or os.statvfs(ckpt).f_flag & os.ST_RDONLY):
-        raise configurator.ConfigError(f"out_dir/ckpt={ckpt!r} is read-only here, and the run's checkpoints go there: "
-                                       f"make it writable, or choose another out_dir")
+    outputs.check_run_dir(cfg["out_dir"])
     outputs.refuse_inside(cfg["out_dir"], [p for p in cfg["data_paths"] + cfg["val_paths"] if not p.startswith("@")],
                           "out_dir")
 
@@ -109,8 +95,6 @@ class Job:
     n_params: int = 0
     engine: object = None  # strategies.build: forward, backward, step, save/load for every strategy
     optimizer: torch.optim.Optimizer = None
-    lease: object = None  # lease.Lease: rank 0's hold on out_dir (infra/lease.py); None on the other ranks
-    ckpt_bytes: int = 0  # the planner's size of one checkpoint: the room save() asks the file system for
     floor: dict = None  # evaluate.floor_of's, once per process: the validation's floor (rank 0; {} elsewhere)
     pinned: data.PinnedBuffers = None  # on a GPU: the batches' page-locked host buffers, reused (prepare_batch)
     copy_stream: object = None  # on a GPU: the side stream the batches are copied to the device on (to_device)
@@ -134,33 +118,10 @@ def setup(cfg):
               peak_lr=cfg["blr"] * global_batch / 256, log=print if rank == 0 else (lambda *a, **k: None))
     if job.on_gpu:
         job.pinned, job.copy_stream = data.PinnedBuffers(), torch.cuda.Stream()
-    # ---- one run per out_dir, before anything is written there: rank 0 takes its lease (or takes over a stale one),
-    # and a live one held by another run is refused on every rank (infra/lease.py). The planner's step, evaluation and
-    # checkpoint times let another run judge this lease stale from another host before any step is logged.
-    p = plan.plan(cfg, world, gpus_per_node=max(1, world // cfg["nodes"]))
-    job.ckpt_bytes = int(p["ckpt_bytes"])
-    held = distributed.on_rank_0(lambda: lease.acquire(cfg, job.log, cfg["log_interval"] * p["step_s"] + p["eval_s"]
-                                                       + p["ckpt_s"], p["eval_s"] + p["ckpt_s"]))
-    job.lease = held if rank == 0 else None
-    if job.lease:  # (a kill -9 of the launcher: the rank ends at once, out_dir free)
-        distributed.at_launcher_gone = job.lease.release
-    try:
-        build_job(job)
-    except BaseException:  # (bad data, a model that does not fit): out_dir is free at once for the corrected relaunch
-        if job.lease:
-            job.lease.release()
-        raise
-    return job
-
-
-def build_job(job):
-    """setup's second half, under the lease: the data streams, the model (seeded), its initial weights, the engine."""
-    cfg, device, dtype = job.cfg, job.device, job.dtype
     # ---- the run's log as a crash may have left it (rank 0 reads it; a damaged one refused on every rank)
     distributed.on_rank_0(lambda: check_log(os.path.join(cfg["out_dir"], "log.jsonl"), not cfg["eval_only"], job.log))
     # ---- data: the training stream and the held-out one (data.samplers)
-    job.sampler, job.val_sampler, job.stores_digest = data.samplers(cfg, job.cp_rank, job.dp_rank,
-                                                                    job.dp_size, job.log)
+    job.sampler, job.val_sampler, job.stores_digest = data.samplers(cfg, cp_rank, dp_rank, dp_size, job.log)
     # ---- model. Same init on every rank (seeded), as data parallelism requires.
     torch.manual_seed(cfg["seed"])
     job.model = model = build_model(cfg, train=True)
@@ -178,6 +139,7 @@ def build_job(job):
             blk.compile()
     job.engine, job.optimizer = strategies.build(model, cfg, dtype, device,
                                                  lambda m: configure_optimizers(m, cfg, job.peak_lr))
+    return job
 
 
 # -----------------------------------------------------------------------------
@@ -255,7 +217,9 @@ def train_step(job, step, batches):
         loss = engine(x, ids_keep=ids_keep)[0]  # (MAE: loss, pred, mask; segmenter: loss, logits)
         total += loss.detach().float() / cfg["grad_accum"]
         engine.backward(loss * job.cp)  # see the docstring: x cp, then ZeRO averages over the world
-        engine.step()  # DeepSpeed steps the optimizer at the last micro step only
+        engine.step()  # at the last micro step only (the engine counts them): the gradients' global norm clipped to
+        #                grad_clip, one AdamW step (the lr set above), the gradients zeroed; before it, nothing
+        #                (DeepSpeed's engine; FSDP2's in infra/strategies.py does the same in five lines)
     # every rank learns the mean loss: the sum over a CP group is the sample's loss, then mean over dp
     torch.distributed.all_reduce(total)
     return total / job.dp_size, lr, wait
@@ -276,40 +240,24 @@ def main(argv, stop=None):
     check(cfg)
     if cfg["dry_run"]:
         return dryrun.check_launch(cfg)
-    job = None
-    try:
-        job = setup(cfg)
-        return run(job, stop)
-    except KeyboardInterrupt:  # a Ctrl-C that stops at once (infra/stop.py): where the run stands, as the last line
-        raise Interrupted(where_it_stands(cfg, started=job is not None)) from None
-    except Exception:
-        if stop_signals.interrupted:  # a peer stopped at once by the same Ctrl-C, before this rank's own came
-            raise Interrupted(where_it_stands(cfg, started=job is not None)) from None
-        raise
-    finally:  # the run is over (done, stopped, or failed here)
-        if job:
-            for closing in (job.sampler, job.val_sampler):  # its data readers
-                if closing is not None:
-                    closing.close()
-            if job.lease:  # rank 0's: out_dir is free for the next run
-                job.lease.release()
+    with Operations(cfg, stop) as ops:  # out_dir's lease, the stop signals, checkpoints, a Ctrl-C's last line
+        ops.job = setup(cfg)
+        return run(ops.job, ops)
 
 
-def run(job, stop):
-    """Resume, then the loop: a step, its log line, evaluation, checkpoint, and whether to stop. Returns the exit code:
-    0, or a stopped run's (infra/ops.py)."""
+def run(job, ops):
+    """Resume, then the loop: a step, its log line, evaluation, checkpoint, and whether to stop (ops: infra/ops.py).
+    Returns the exit code: 0, or a stopped run's."""
     cfg = job.cfg
-    job.log(describe(job))
+    job.log(describe(job))  # the run's first line: the model, its tokens and mask, the layout, the batch
     start = resume(job)
     if cfg["eval_only"]:
         return evaluate_only(job, start)
-    if start is None:  # the run is already complete: nothing to train, and every rank leaves together, as at a
-        # run's end (ranks that left at once, the moment rank 0's broadcast of the checkpoints arrived, now and then
-        # aborted in gloo's teardown at exit: "terminate called without an active exception")
-        torch.distributed.barrier()
+    if start is None:  # the run is already complete: nothing to train; every rank leaves together, as at a run's end
+        torch.distributed.barrier()  # (ranks that left at once could abort in gloo's teardown)
         return 0
     end = cfg["max_steps"] if cfg["stop_step"] <= 0 else min(cfg["max_steps"], cfg["stop_step"])
-    ops = Operations(job, stop, end)  # the lease, the stop signals, STOPPED, the checkpoints
+    ops.begin(end)  # an earlier stop's STOPPED removed, stop signals armed
     runlog, t_run = RunLog(job), time.time()
     batches = micro_batches(job, start, end)  # read ahead in threads while we compute
     done = start  # optimizer steps done
@@ -339,31 +287,14 @@ def run(job, stop):
     return ops.finish(done)
 
 
-def describe(job):
-    """The run's first line: the model, its tokens and mask, the layout, the batch, the lr, the dtype."""
-    cfg, model = job.cfg, job.model
-    visible = (f"{model.n_keep()} visible (mask ratio {1 - model.n_keep() / model.L:.4f} realised, "
-               f"{cfg['mask_ratio']} asked)" if cfg["task"] == "mae"
-               else f"all visible, {cfg['classes']} classes of {cfg['label_var']!r}")
-    return (f"model {cfg['model_size']}{' (fine-tuning: segment)' if cfg['task'] == 'segment' else ''}: "
-            f"{job.n_params / 1e6:.2f} M params | grid {job.grid} = {model.L} tokens, {visible} | "
-            f"world {job.world} = dp {job.dp_size} x cp {job.cp} ({cfg['cp_impl'] if job.cp > 1 else 'no cp'}) | "
-            f"global batch {job.global_batch} | peak lr {job.peak_lr:.3g} | {job.dtype} on {job.device.type}")
-
-
 def resume(job):
     """Load the newest complete checkpoint (weights, optimizer, the data stream's position: infra/checkpoint.py).
     Returns the step to go on from: 0 for a new run, None for a run that is already complete."""
     ckpt_dir = os.path.join(job.cfg["out_dir"], "ckpt")
-    start, samples_seen = checkpoint.resume(job.engine, job.cfg, ckpt_dir, job.world, job.dtype, job.log)
-    if start:
-        job.sampler.offset = samples_seen - start * job.global_batch  # 0 unless the global batch changed
-        #                                                              (allow_batch_change)
-        was = (checkpoint.read_marker(os.path.join(ckpt_dir, f"step_{start:07d}")) or {}).get("stores")
-        if was and was != job.stores_digest:
-            job.log(f"WARNING: the training stores or sample_weighting differ from those of step_{start:07d} (a glob "
-                    f"that finds more stores now, another manifest): the run goes on, but not on the samples it "
-                    f"would have had")
+    start, samples_seen = checkpoint.resume(job.engine, job.cfg, ckpt_dir, job.world, job.dtype, job.log,
+                                            job.stores_digest)  # (a WARNING if the stream's stores have changed)
+    if start:  # the data stream goes on where it was: 0 unless the global batch changed (allow_batch_change)
+        job.sampler.offset = samples_seen - start * job.global_batch
     return start
 
 

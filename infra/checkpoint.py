@@ -249,11 +249,12 @@ def check_resumable(cfg, ckpt_dir):
     return done
 
 
-def resume(engine, cfg, ckpt_dir, world, dtype, log):
+def resume(engine, cfg, ckpt_dir, world, dtype, log, stores=""):
     """Load the newest complete checkpoint in ckpt_dir that loads into `engine` (all ranks; rank 0 chooses).
     Returns (the step to continue from, samples of the stream already trained on): (0, 0) when there is nothing
     to resume, (None, None) when the newest already reached max_steps. Raises ConfigError, before anything is
-    trained, when the checkpoint cannot be continued by this run.
+    trained, when the checkpoint cannot be continued by this run. stores: which stores the training stream draws
+    from now, and how (data.samplers' digest): a checkpoint written on others is resumed with a WARNING.
 
     A checkpoint marked COMPLETE can still fail to load: a shard damaged or truncated since (a file system
     fault, a partial copy). Then every rank says whether it loaded, all agree (one all-reduce), rank 0 names
@@ -271,7 +272,7 @@ def resume(engine, cfg, ckpt_dir, world, dtype, log):
     dist.broadcast_object_list(done, src=0)
     moved = []
     for i, (_, tag) in enumerate(reversed(done[0])):
-        got = _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest=(i == 0))
+        got = _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest=(i == 0), stores=stores)
         if got != "damaged":
             return got
         moved.append(tag)
@@ -281,7 +282,7 @@ def resume(engine, cfg, ckpt_dir, world, dtype, log):
     return 0, 0
 
 
-def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
+def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest, stores):
     """Check that checkpoint `tag` can be continued by this run and load it: (its step, samples seen), (None, None)
     (the newest is at max_steps: nothing to do), or "damaged" (it did not load on some rank; moved aside)."""
     dist = torch.distributed
@@ -321,6 +322,9 @@ def _try_resume(engine, cfg, ckpt_dir, tag, world, dtype, log, newest):
         ok = _agreed(engine, why)
     if ok:
         log(f"resumed from {ckpt_dir}/{tag} (step {client['step']})")
+        if meta.get("stores") and meta["stores"] != stores:
+            log(f"WARNING: the training stores or sample_weighting differ from those of {tag} (a glob that finds "
+                f"more stores now, another manifest): the run goes on, but not on the samples it would have had")
         old_batch = global_batch(meta["config"], meta["world"])
         seen = client.get("samples_seen", client["step"] * old_batch)
         if old_batch != global_batch(cfg, world):

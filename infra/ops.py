@@ -1,20 +1,25 @@
 """
-The run's operations, which train.py's loop asks at each step boundary and otherwise never sees: out_dir's
-lease, the stop signals, STOPPED, and the checkpoints (when to write one, and writing it).
+The run's operations, which train.py enters once and its loop asks at each step boundary: out_dir's lease, the stop
+signals, STOPPED, the checkpoints (when to write one, and writing it), and how a run that a Ctrl-C ended says where
+it stands.
 
-    ops = Operations(job, stop, end)     # an earlier stop's STOPPED removed, stop signals armed
-    ...after each step:
-    stopping = ops.should_stop(step)     # the same answer on every rank: a stop signal reached one of them
-    if stopping or ops.should_checkpoint(step + 1):
-        stopping = ops.checkpoint(step + 1) or stopping     # (True also if a signal came during the write)
-    ...after the loop:
-    ops.close()                          # (in a finally) the stop signals disarmed, unless a stop is under way
-    return ops.finish(done)              # 0; or STOPPED written, and RESUMABLE (75) or INTERRUPTED (130)
+    with Operations(cfg, stop) as ops:  # rank 0 takes out_dir's lease before anything is written there
+        ops.job = setup(cfg)             # (its readers are closed and the lease released however the run ends)
+        ops.begin(end)                   # an earlier stop's STOPPED removed, stop signals armed
+        ...after each step:
+        stopping = ops.should_stop(step)     # the same answer on every rank: a stop signal reached one of them
+        if stopping or ops.should_checkpoint(step + 1):
+            stopping = ops.checkpoint(step + 1) or stopping     # (True also if a signal came during the write)
+        ...after the loop:
+        ops.close()                      # (in a finally) the stop signals disarmed, unless a stop is under way
+        return ops.finish(done)          # 0; or STOPPED written, and RESUMABLE (75) or INTERRUPTED (130)
+    # a Ctrl-C that stopped at once leaves the block as stop.Interrupted: the last line names the newest checkpoint
 
 The lease (infra/lease.py: one run per out_dir) is refreshed at step boundaries, at most once every REFRESH_S,
 and on both sides of every checkpoint write: before it, so that a run whose out_dir another run took over writes
 nothing more (LeaseLost), and after it, as a write can take long. Another run judges it stale only after lease_stale
-x (log_interval steps + an evaluation + a checkpoint) without a refresh, and never sooner than lease_min_s.
+x (log_interval steps + an evaluation + a checkpoint) without a refresh, and never sooner than lease_min_s; before
+this run has logged a step, those times are the planner's (infra/plan.py), which the lease carries.
 
 The stop protocol (infra/stop.py): each rank's flag (1 once a stop signal reached it) is all-reduced at every step
 boundary, one float, so every rank stops after the same step. Reading the sum on the host is a sync; on a GPU it is
@@ -26,31 +31,64 @@ import time
 
 import torch
 
-from infra import checkpoint
-from infra.stop import INTERRUPTED, RESUMABLE, write_stopped
+from infra import checkpoint, distributed, lease, plan
+from infra import stop as stop_signals
+from infra.stop import INTERRUPTED, RESUMABLE, Interrupted, write_stopped
 
 REFRESH_S = 1.0  # the lease's refresh at step boundaries, at most this often: a stat, a read and a utime on rank 0
 
 
 class Operations:
-    def __init__(self, job, stop, end):
-        """job: train.py's Job (rank 0 holds job.lease); stop: a StopRequest, or None (no signal handling: a run
-        driven from a thread that is not the main one); end: the step the run trains up to (stop_step or
-        max_steps)."""
-        self.job, self.stop, self.end = job, stop, end
-        self.ckpt_dir = os.path.join(job.cfg["out_dir"], "ckpt")
+    def __init__(self, cfg, stop):
+        """cfg: the run's checked config; stop: a StopRequest, or None (no signal handling: a run driven from a
+        thread that is not the main one). The job (train.py's Job) is set once setup has built it."""
+        self.cfg, self.stop, self.job, self.lease = cfg, stop, None, None
+        self.ckpt_dir = os.path.join(cfg["out_dir"], "ckpt")
         self.stopped = None  # the signals that stopped the run ("SIGTERM", "SIGINT and SIGTERM"), once agreed
-        self.refreshed = time.time()
-        stopped_file = os.path.join(job.cfg["out_dir"], "STOPPED")
-        if job.rank == 0 and os.path.exists(stopped_file):
-            os.remove(stopped_file)  # an earlier stop's: this run is going on from it
-        if stop:
-            stop.armed = True  # from here a stop signal is a checkpoint at the next step boundary (infra/stop.py)
+        self.refreshed, self.end = time.time(), None
+
+    def __enter__(self):
+        """One run per out_dir, before anything is written there: rank 0 takes its lease (or takes over a stale one),
+        and a live one held by another run is refused on every rank (infra/lease.py)."""
+        cfg = self.cfg
+        rank, world, _ = distributed.init()  # (train.py's setup calls it again: it is started once)
+        p = plan.plan(cfg, world, gpus_per_node=max(1, world // cfg["nodes"]))  # what another host can't measure yet
+        eval_ckpt_s = p["eval_s"] + p["ckpt_s"]
+        log = print if rank == 0 else (lambda *a, **k: None)
+        held = distributed.on_rank_0(lambda: lease.acquire(cfg, log, cfg["log_interval"] * p["step_s"] + eval_ckpt_s,
+                                                           eval_ckpt_s))
+        self.lease = held if rank == 0 else None
+        if self.lease:  # (a kill -9 of the launcher: the rank ends at once, out_dir free)
+            distributed.at_launcher_gone = self.lease.release
+        return self
+
+    def __exit__(self, kind, error, tb):
+        """The run is over (done, stopped, or failed): its data readers closed, out_dir free for the next run. A
+        Ctrl-C that stopped at once (or a peer's failure it caused) becomes where the run stands, as the last line."""
+        for closing in (self.job.sampler, self.job.val_sampler) if self.job else ():
+            if closing is not None:
+                closing.close()
+        if self.lease:
+            self.lease.release()
+        if kind is not None and not issubclass(kind, Interrupted) and (
+                issubclass(kind, KeyboardInterrupt) or (issubclass(kind, Exception) and stop_signals.interrupted)):
+            raise Interrupted(where_it_stands(self.cfg, started=self.job is not None)) from None
+        return False
+
+    def begin(self, end):
+        """Training starts; it goes up to step `end` (stop_step or max_steps): an earlier stop's STOPPED goes (this
+        run goes on from it), and from here a stop signal is a checkpoint at the next step boundary."""
+        self.end = end
+        stopped_file = os.path.join(self.cfg["out_dir"], "STOPPED")
+        if self.job.rank == 0 and os.path.exists(stopped_file):
+            os.remove(stopped_file)
+        if self.stop:
+            self.stop.armed = True
 
     def refresh(self):
         """Rank 0: the lease is still ours (LeaseLost otherwise), and fresh."""
-        if self.job.lease:
-            self.job.lease.refresh()
+        if self.lease:
+            self.lease.refresh()
             self.refreshed = time.time()
 
     def should_stop(self, step):
@@ -78,7 +116,7 @@ class Operations:
         samples_seen = job.sampler.offset + done * job.global_batch  # (offset: see data.Sampler)
         checkpoint.save(job.engine, self.ckpt_dir, done, {"step": done, "config": job.cfg, "dtype": str(job.dtype),
                                                           "samples_seen": samples_seen, "stores": job.stores_digest},
-                        job.cfg["keep_ckpts"], job.rank, job.ckpt_bytes)
+                        job.cfg["keep_ckpts"], job.rank, plan.checkpoint_bytes(job.n_params, job.dtype))
         self.refresh()
         job.log(f"checkpoint step_{done:07d} written to {self.ckpt_dir}")
         return (self.stop is not None and self.stopped is None and done < self.end

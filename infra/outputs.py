@@ -179,6 +179,20 @@ def check_dir(path, option="out_dir"):
         raise ConfigError(f"{option}={path!r} is read-only here{where}: point {option} at writable storage")
 
 
+def check_run_dir(path):
+    """train.py's out_dir: check_dir's checks, and its ckpt/ (not check_dir's: that one refuses a run's ckpt/ to other
+    writers): a folder, not a file, and writable (a read-only one, say a copy kept from another machine, would lose
+    every step until the first checkpoint write failed)."""
+    check_dir(path, "out_dir")
+    ckpt = os.path.join(path, "ckpt")
+    if os.path.exists(ckpt) and not os.path.isdir(ckpt):
+        raise ConfigError(f"out_dir/ckpt={ckpt!r} is a file, not a folder: the run's checkpoints go there; move the "
+                          f"file away, or choose another out_dir")
+    if os.path.isdir(ckpt) and (not os.access(ckpt, os.W_OK | os.X_OK) or _read_only(ckpt)):
+        raise ConfigError(f"out_dir/ckpt={ckpt!r} is read-only here, and the run's checkpoints go there: make it "
+                          f"writable, or choose another out_dir")
+
+
 def _read_only(path):
     return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 

@@ -376,6 +376,14 @@ ACT_MARGIN = 1.15  # the least checkpointing that fits plans for 15 % more activ
 #                    activation model's largest error measured here, bench/plan.py calibrate: 14 %)
 
 
+def checkpoint_bytes(n_params, elem):
+    """The bytes of one checkpoint of a model of n_params parameters whose compute dtype has `elem` bytes (or is that
+    torch.dtype): fp32 master weights, AdamW's m and v, and the weights in the compute dtype. The room a checkpoint
+    write asks the file system for first (infra/ops.py), and the planner's write time."""
+    elem = elem if isinstance(elem, int) else elem.itemsize
+    return n_params * (4 + ADAMW_STATE_BYTES + elem)
+
+
 def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     """The analytic plan of config `cfg` (train.py's keys) on `world` GPUs of kind `gpu`. mfu: the fraction of
     the GPU's peak FLOP/s sustained on the FLOPs the step executes; those include the forward of every
@@ -445,7 +453,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     has_val = bool(cfg["val_paths"]) or cfg["val_frac"] > 0
     eval_s = (math.ceil(cfg["eval_samples"] / (W // cp)) * sample_seconds(m, 0, g, mfu, train=False)["time"] / cp
               if has_val else 0.0)
-    ckpt_bytes = P * (4 + ADAMW_STATE_BYTES + elem)
+    ckpt_bytes = checkpoint_bytes(P, elem)
     ckpt_s = ckpt_bytes / (cfg["ckpt_write_gbps"] * 1e9)
     # x 1.5 for the planner's error, + 60 s: SLURM may send the signal up to a minute early or late (its timer)
     stop_lead = math.ceil(60 + 1.5 * (2 * step_s + eval_s + ckpt_s))

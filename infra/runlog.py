@@ -3,6 +3,7 @@ The run's log: out_dir/log.jsonl (one JSON record per training step and per eval
 line on rank 0's stdout.
 
     check_log(path, repair, log)   setup: log.jsonl as a relaunch finds it (a crash's torn last line dropped)
+    describe(job)                  the run's first line: the model, its tokens and mask, the layout, the batch
     runlog = RunLog(job)           the loop: step() per step, line() at log steps, evaluate() at evaluations,
                                    end() after the last step, close() always
 
@@ -21,6 +22,18 @@ import torch
 from configurator import ConfigError
 from infra import evaluate, plan
 
+
+
+def describe(job):
+    """The run's first line: the model, its tokens and mask, the layout, the batch, the lr, the dtype."""
+    cfg, model = job.cfg, job.model
+    visible = (f"{model.n_keep()} visible (mask ratio {1 - model.n_keep() / model.L:.4f} realised, "
+               f"{cfg['mask_ratio']} asked)" if cfg["task"] == "mae"
+               else f"all visible, {cfg['classes']} classes of {cfg['label_var']!r}")
+    return (f"model {cfg['model_size']}{' (fine-tuning: segment)' if cfg['task'] == 'segment' else ''}: "
+            f"{job.n_params / 1e6:.2f} M params | grid {job.grid} = {model.L} tokens, {visible} | "
+            f"world {job.world} = dp {job.dp_size} x cp {job.cp} ({cfg['cp_impl'] if job.cp > 1 else 'no cp'}) | "
+            f"global batch {job.global_batch} | peak lr {job.peak_lr:.3g} | {job.dtype} on {job.device.type}")
 
 
 def check_log(path, repair, log):

@@ -1,6 +1,7 @@
 """
 The stop protocol: a stop signal becomes a checkpoint that every rank agrees on, then a resumable exit.
 
+    interruptible_start()    a Ctrl-C during a command's imports (seconds, before StopRequest): one line, not a traceback
     StopRequest()            installs SIGTERM / SIGUSR1 / SIGINT handlers; infra/ops.py arms it once training starts
     RESUMABLE                the exit code of a stopped run (75): run the same command again to continue
     INTERRUPTED              a Ctrl-C's (130, 128 + SIGINT): with a checkpoint or without, the shell's code for it
@@ -21,13 +22,24 @@ Ctrl-C to the ranks once (torchrun, which would kill them 30 s after passing on 
 import os
 import signal
 
-import torch
+# torch is imported where it is used, not here: train.py imports this file before torch (interruptible_start)
 
 RESUMABLE = 75  # exit code: stopped cleanly at a complete checkpoint; run the same command again to continue
 #                 (sysexits.h's EX_TEMPFAIL, "a temporary failure: the user is invited to retry")
 INTERRUPTED = 130  # exit code of a run a Ctrl-C ended (the shell's 128 + SIGINT), with a checkpoint or at once
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 interrupted = False  # a Ctrl-C reached this process: a failure after it (a peer that stopped at once) is its doing
+
+
+def interruptible_start():
+    """A Ctrl-C while train.py's imports run (seconds, before StopRequest exists) ends the process with one line.
+    Under launch.sh the ranks inherit torchrun's ignored SIGINT and launch.sh passes each Ctrl-C on: the rank exits 0
+    and launch.sh says how the run ended; else the shell's 130."""
+    def interrupted_at_start(*_):
+        if os.environ.get("RANK", "0") == "0":
+            os.write(2, b"interrupted (Ctrl-C) during start-up, before anything was written\n")
+        os._exit(0 if os.environ.get("MAE_LAUNCHER") == "launch.sh" else INTERRUPTED)
+    signal.signal(signal.SIGINT, interrupted_at_start)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -89,6 +101,7 @@ class StopRequest:
         tensor). On CPU it is read now; on a GPU the previous step's is read (see the class docstring)."""
         if total.device.type != "cuda":
             return total.item() > 0
+        import torch
         host = torch.empty(1, pin_memory=True)
         host.copy_(total, non_blocking=True)
         event = torch.cuda.Event()
@@ -101,6 +114,7 @@ class StopRequest:
 
     def agree_now(self, device):
         """One small all-reduce of the flags, read at once: after a checkpoint write (predict: after each tile)."""
+        import torch
         t = torch.tensor([self.local()], device=device)
         torch.distributed.all_reduce(t)
         return t.item() > 0
@@ -108,6 +122,7 @@ class StopRequest:
     def signals(self, world):
         """Once the ranks agree to stop, the signals that reached any of them ("SIGTERM", "SIGINT and SIGTERM"), the
         same on every rank (launch.sh requeues only after SIGUSR1; a Ctrl-C's stop ends with INTERRUPTED)."""
+        import torch.distributed
         names = [None] * world
         torch.distributed.all_gather_object(names, self.signal)
         return " and ".join(sorted({n for n in names if n}))
