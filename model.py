@@ -233,7 +233,7 @@ class Encoder(nn.Module):
     norm; and what runs every block stack of either model: context parallelism (set_context_parallel) and activation
     checkpointing (set_grad_ckpt). A subclass adds its decoder or head after these (so that the parameters keep the
     names and the order that model files and checkpoints hold), a decoder_blocks list (empty where it has none: the
-    code that walks the stacks walks both), its dec_dim and n_keep(); then calls initialize_weights and set_grad_ckpt."""
+    code that walks the stacks walks both) and its dec_dim; then calls initialize_weights."""
 
     def __init__(self, grid, patch, dim, depth, heads, mlp_ratio):
         super().__init__()
@@ -242,6 +242,7 @@ class Encoder(nn.Module):
         self.P = math.prod(self.patch)  # voxels per patch
         self.dim = dim
         self.ring = None  # (group, attend) under context parallelism (the cp ranks' ring): set_context_parallel
+        self.ckpt = set()  # the blocks activation checkpointing recomputes, {("enc" | "dec", index)}: set_grad_ckpt
         # the Conv3d patch embedding, applied to the patches it is given only (PatchEmbed)
         self.patch_embed = PatchEmbed(1, dim, kernel_size=self.patch, stride=self.patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
@@ -251,8 +252,6 @@ class Encoder(nn.Module):
     def initialize_weights(self):
         # MAE init: xavier-uniform on every Linear and on the patch embedding seen as a (dim, P) Linear,
         # zero biases, LayerNorm (1, 0), and N(0, 0.02) for the cls and mask tokens.
-        if self.cls_token.is_meta:  # shapes only (the planner): no values to set, and normal_ on meta would
-            return  # import torch._dynamo: seconds of every dry run and `scripts.plan` (training imports it anyway)
         w = self.patch_embed.weight.data
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         nn.init.zeros_(self.patch_embed.bias)
@@ -267,28 +266,13 @@ class Encoder(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    def set_grad_ckpt(self, grad_ckpt):
-        """Activation checkpointing: True every block, False (or 0) none, k the first k blocks of ckpt_order()."""
-        n_blocks = len(self.blocks) + len(self.decoder_blocks)
-        k = n_blocks if grad_ckpt is True else int(grad_ckpt)
-        assert 0 <= k <= n_blocks, f"grad_ckpt={grad_ckpt}: a number of blocks must be in [0, {n_blocks}]"
-        self.grad_ckpt = k
-        self.ckpt = set(self.ckpt_order()[:k])  # {("enc" | "dec", block index)}
-
-    def ckpt_order(self):
-        """Every block, in the order activation checkpointing takes them: most activation bytes freed per FLOP
-        recomputed first. A checkpointed block keeps its input (C per token) instead of 17 C (infra/plan.py's
-        BLOCK_SAVED), so it frees ~16 C N bytes per sample and costs its forward again, (8 + 4 mlp) N C^2 +
-        4 N^2 C FLOPs: the ratio is ~16 / ((8 + 4 mlp) C + 4 N), larger for the stack with the smaller
-        (8 + 4 mlp) C + 4 N. Under cp both N and the bytes divide by cp, the order does not change. At
-        big_context the encoder (C 1,664, N 294,912) frees 4x more per FLOP than the decoder (C 512, N
-        1,179,648: its attention over the whole sample makes its recompute dear): encoder blocks go first.
-        Within a stack the blocks are alike; the first ones go first."""
-        mlp = int(self.blocks[0].fc1.out_features / self.dim) if len(self.blocks) else 4
-        cost = {"enc": (8 + 4 * mlp) * self.dim + 4 * (self.n_keep() + 1),
-                "dec": (8 + 4 * mlp) * self.dec_dim + 4 * self.L}
-        stacks = sorted(("enc", "dec"), key=lambda st: cost[st])  # (stable: encoder first on a tie)
-        return [(st, i) for st in stacks for i in range(len(self.blocks if st == "enc" else self.decoder_blocks))]
+    def set_grad_ckpt(self, blocks):
+        """Activation checkpointing of `blocks`, ("enc" | "dec", index) pairs: True every block, False none. Which
+        blocks a run checkpoints is the planner's choice (infra/plan.py: checkpointed, by ckpt_order); it changes
+        how training recomputes, not the function."""
+        every = [(st, i) for st, b in (("enc", self.blocks), ("dec", self.decoder_blocks)) for i in range(len(b))]
+        self.ckpt = set(every if blocks is True else blocks or ())
+        assert self.ckpt <= set(every), f"no such blocks to checkpoint: {sorted(self.ckpt - set(every))}"
 
     def set_context_parallel(self, group, attend=ring_attention.ring_attention):
         """Split every sample over the ranks of `group` (None or a group of 1: no context parallelism), its attention
@@ -341,7 +325,7 @@ class MAE(Encoder):
 
     def __init__(self, grid=(4, 4, 4), patch=(16, 16, 16), dim=1024, depth=24, heads=16,
                  dec_dim=512, dec_depth=8, dec_heads=16, mlp_ratio=4.0, mask_ratio=0.75,
-                 norm_pix_loss=False, grad_ckpt=False, mask_strata=1):
+                 norm_pix_loss=False, mask_strata=1, init=True):
         super().__init__(grid, patch, dim, depth, heads, mlp_ratio)
         self.dec_dim = dec_dim
         self.mask_ratio, self.norm_pix_loss = mask_ratio, norm_pix_loss
@@ -354,8 +338,8 @@ class MAE(Encoder):
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dec_dim))
         self.decoder_blocks = nn.ModuleList([Block(dec_dim, dec_heads, mlp_ratio) for _ in range(dec_depth)])
         self.decoder_pred = nn.Linear(dec_dim, self.P)
-        self.initialize_weights()
-        self.set_grad_ckpt(grad_ckpt)
+        if init:  # (False: the caller loads weights next, or wants shapes only: build_model on meta)
+            self.initialize_weights()
 
     def n_keep(self):
         """Visible tokens per sample: MAE's int(L * (1 - mask_ratio)), adjusted so that visible + cls
@@ -417,8 +401,8 @@ class Segmenter(Encoder):
     weights are an MAE's (init_from)."""
 
     def __init__(self, grid=(4, 4, 4), patch=(16, 16, 16), dim=1024, depth=24, heads=16,
-                 dec_dim=512, dec_depth=8, dec_heads=16, mlp_ratio=4.0, grad_ckpt=False,
-                 seg_classes=2, seg_pos_weight=1.0, seg_head="unetr", seg_features=16):
+                 dec_dim=512, dec_depth=8, dec_heads=16, mlp_ratio=4.0,
+                 seg_classes=2, seg_pos_weight=1.0, seg_head="unetr", seg_features=16, init=True):
         super().__init__(grid, patch, dim, depth, heads, mlp_ratio)
         self.dec_dim = dec_dim
         self.seg_classes, self.seg_out = seg_classes, (1 if seg_classes == 2 else seg_classes)
@@ -433,13 +417,8 @@ class Segmenter(Encoder):
         self.decoder_blocks = nn.ModuleList([Block(dec_dim, dec_heads, mlp_ratio) for _ in range(dec_depth)])
         if seg_head == "linear":
             self.seg_pred = nn.Linear(dec_dim, self.P * self.seg_out)
-        self.initialize_weights()
-        self.set_grad_ckpt(grad_ckpt)
-
-    def n_keep(self):
-        """Every token is visible and there is no cls token: the encoder holds L tokens, n_keep() + 1 as the FLOP and
-        memory counts take it."""
-        return self.L - 1
+        if init:  # (as the MAE's)
+            self.initialize_weights()
 
     def seg_logits(self, x):
         """x (B, 1, Z_loc, Y, X) normalised voxels of this rank's slab -> logits (B, L_loc, P, seg_out)."""
@@ -546,7 +525,7 @@ def configure_optimizers(model, cfg, lr):
     an "encoder" group while it is frozen."""
     def decays(n, p):
         return p.ndim >= 2 and "token" not in n
-    if cfg.get("task") != "segment" or (cfg.get("layer_decay", 1.0) >= 1.0 and not cfg.get("freeze_encoder_steps")):
+    if cfg["task"] != "segment" or (cfg["layer_decay"] >= 1.0 and not cfg["freeze_encoder_steps"]):
         named = list(model.named_parameters())
         groups = [{"params": [p for n, p in named if decays(n, p)], "weight_decay": cfg["weight_decay"]},
                   {"params": [p for n, p in named if not decays(n, p)], "weight_decay": 0.0}]
@@ -612,12 +591,9 @@ def aligned_heads(width):
 
 
 def head_counts(cfg):
-    """(encoder heads, decoder heads) a config's MAE has: its heads / dec_heads, or its size's own where 0 or absent
-    (configs and checkpoints older than the keys); None for a size this file does not know."""
-    if cfg.get("model_size") not in SIZES:
-        return None
-    _, _, h, _, _, dh = SIZES[cfg["model_size"]]
-    return cfg.get("heads") or h, cfg.get("dec_heads") or dh
+    """(encoder heads, decoder heads) a config's MAE has: its heads / dec_heads, or its size's own where 0."""
+    w = widths(cfg["model_size"], cfg["heads"], cfg["dec_heads"])
+    return w["heads"], w["dec_heads"]
 
 
 def token_grid(shape, patch):
@@ -626,19 +602,19 @@ def token_grid(shape, patch):
     return tuple(s // p for s, p in zip(shape, patch))
 
 
-def build_model(cfg, device=None, train=False):
+def build_model(cfg, device=None):
     """The one place a model is built from a config (train.py's keys: a run's, or a model file's): the MAE, or for
     task="segment" the Segmenter (fine-tuning: the MAE's encoder and a segmentation head). Not seeded:
     train.py seeds with cfg["seed"] first; seed before calling this for the run's init. device="meta": shapes and
-    parameter counts, no memory. train=True: with the run's activation checkpointing (grad_ckpt, ckpt_blocks),
-    which changes how training recomputes, not the function."""
-    ckpt = train and cfg["grad_ckpt"] and (True if cfg["ckpt_blocks"] < 0 else cfg["ckpt_blocks"])
-    size = widths(cfg["model_size"], cfg.get("heads", 0), cfg.get("dec_heads", 0))  # (older files: the size's own)
-    common = dict(grid=token_grid(cfg["crop"], cfg["patch"]), patch=tuple(cfg["patch"]), grad_ckpt=ckpt, **size)
-    with torch.device(device if device is not None else torch.get_default_device()):
-        if cfg.get("task", "mae") == "segment":  # (a model file of a run older than fine-tuning has no task: "mae")
-            return Segmenter(**common, seg_classes=cfg["classes"], seg_pos_weight=cfg.get("pos_weight", 1.0),
-                             seg_head=cfg.get("seg_head", "linear"),  # (files older than the key: linear)
-                             seg_features=cfg.get("seg_features", 16))
-        return MAE(**common, mask_ratio=cfg["mask_ratio"], norm_pix_loss=cfg.get("norm_pix_loss", False),
-                   mask_strata=cfg.get("mask_strata") or cfg.get("cp", 1))
+    parameter counts, no memory, and no init (no values to set; and normal_ on meta imports torch._dynamo, 2 s of
+    every dry run, planner call and model file load). No activation checkpointing: a run that trains sets its
+    blocks (model.set_grad_ckpt(infra.plan.checkpointed(model, cfg)))."""
+    device = torch.device(device if device is not None else torch.get_default_device())
+    common = dict(grid=token_grid(cfg["crop"], cfg["patch"]), patch=tuple(cfg["patch"]), init=device.type != "meta",
+                  **widths(cfg["model_size"], cfg["heads"], cfg["dec_heads"]))
+    with device:
+        if cfg["task"] == "segment":
+            return Segmenter(**common, seg_classes=cfg["classes"], seg_pos_weight=cfg["pos_weight"],
+                             seg_head=cfg["seg_head"], seg_features=cfg["seg_features"])
+        return MAE(**common, mask_ratio=cfg["mask_ratio"], norm_pix_loss=cfg["norm_pix_loss"],
+                   mask_strata=cfg["mask_strata"] or cfg["cp"])

@@ -124,7 +124,8 @@ def setup(cfg):
     job.sampler, job.val_sampler, job.stores_digest = data.samplers(cfg, cp_rank, dp_rank, dp_size, job.log)
     # ---- model. Same init on every rank (seeded), as data parallelism requires.
     torch.manual_seed(cfg["seed"])
-    job.model = model = build_model(cfg, train=True)
+    job.model = model = build_model(cfg)
+    model.set_grad_ckpt(plan.checkpointed(model, cfg))  # grad_ckpt, ckpt_blocks: the blocks the planner ranks first
     job.grid = model.grid
     model.set_context_parallel(job.cp_group, torch_cp.torch_cp_attention if cfg["cp_impl"] == "torch"
                                else ring_attention.ring_attention)

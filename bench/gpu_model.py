@@ -258,7 +258,8 @@ def _rank_step(smoke, dev, out_dir, name):
     via = _self_ring_vias(dev, out_dir)[0]
     dtype = torch.bfloat16
     torch.manual_seed(cfg["seed"])
-    m = M.build_model(cfg, device=dev, train=True).to(dtype).train()
+    m = M.build_model(cfg, device=dev).to(dtype).train()
+    m.set_grad_ckpt(P.checkpointed(m, cfg))  # the run's checkpointed blocks
     m.ring = (SelfRing(W, via), RA.ring_attention)  # (set_context_parallel asks a process group its size: this is none)
     crop = cfg["crop"]
     x = torch.randn(1, 1, crop[0] // W, crop[1], crop[2], device=dev, dtype=dtype)  # rank 0's slab

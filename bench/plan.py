@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from infra.plan import (activation_bytes, config_plan, flops_per_sample, param_counts, recompute_flops, report,
-                        state_bytes, step_bytes, table)
+from infra.plan import (activation_bytes, ckpt_order, config_plan, flops_per_sample, param_counts, recompute_flops,
+                        report, state_bytes, step_bytes, table)
 from model import build_model
 
 
@@ -38,10 +38,11 @@ def calibrate():
                      ("tiny 8x8x8", dict(grid=(8, 8, 8), patch=(2, 2, 16))),
                      ("small 4x8x8", dict(grid=(4, 8, 8), patch=(4, 4, 4)))):
         size = name.split()[0]
-        n_blocks = len(M.mae(size, grid=kw["grid"], patch=kw["patch"]).ckpt_order())
+        n_blocks = len(ckpt_order(M.mae(size, grid=kw["grid"], patch=kw["patch"])))
         for ckpt in (False, n_blocks // 2, True):  # none, the first half of ckpt_order(), every block
             torch.manual_seed(0)
-            m = M.mae(size, grid=kw["grid"], patch=kw["patch"], grad_ckpt=ckpt)
+            m = M.mae(size, grid=kw["grid"], patch=kw["patch"])
+            m.set_grad_ckpt(ckpt_order(m)[:n_blocks if ckpt is True else int(ckpt)])
             x = torch.randn(2, 1, *(g * p for g, p in zip(kw["grid"], kw["patch"])))
             params = {p.untyped_storage().data_ptr() for p in m.parameters()}
             seen, saved = set(), [0]

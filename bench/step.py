@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from infra.plan import activation_bytes, flops_per_sample, recompute_flops, table
+from infra.plan import activation_bytes, checkpointed, ckpt_order, flops_per_sample, recompute_flops, table
 from model import build_model
 
 
@@ -37,7 +37,7 @@ def matmul_flops(device, dtype, n=None, iters=10):
 def bench_step(argv, warmup=3, steps=10):
     """Time `steps` training steps of a config after `warmup` untimed ones, in one process. A config in bf16 is
     also run in fp32 right after, in the same process, and the two are printed side by side.
-    --ckpt_sweep=True: the config with no block, half the blocks (the first of model.ckpt_order) and every block
+    --ckpt_sweep=True: the config with no block, half the blocks (the first of plan.ckpt_order) and every block
     checkpointed, one after another in this process: time per step, the planner's FLOPs executed per sample
     (recompute included) and the planned activation bytes, side by side.
     --compile_compare=True: the config eager, then with compile=True (each block torch.compile'd; the compile
@@ -71,11 +71,12 @@ def bench_step(argv, warmup=3, steps=10):
 
 
 def _ckpt_sweep(cfg, argv, warmup, steps):
-    n_blocks = len(build_model(cfg, device="meta").ckpt_order())
+    n_blocks = len(ckpt_order(build_model(cfg, device="meta")))
     rows, out = [], {"bench": "step_ckpt", "config": argv[0] if argv else "defaults", "blocks": n_blocks}
     for name, ckpt in (("none", 0), ("half", n_blocks // 2), ("all", n_blocks)):
         c = {**cfg, "grad_ckpt": ckpt > 0, "ckpt_blocks": ckpt}
-        m = build_model(c, device="meta", train=True)
+        m = build_model(c, device="meta")
+        m.set_grad_ckpt(checkpointed(m, c))
         act = sum(activation_bytes(m, c["micro_batch"], c["cp"], 4 if c["dtype"] != "bfloat16" else 2))
         r = _time_steps(c, argv, warmup, steps, quiet=True)
         executed = flops_per_sample(m) + recompute_flops(m)

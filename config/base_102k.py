@@ -28,7 +28,7 @@ grad_ckpt = False  # the planner: no checkpointing needed here (below); every bl
 # planner: memory per GPU with and without checkpointing, samples/s and S3 GB/s per node: run `python -m scripts.plan
 #   config/base_102k.py`. Its least checkpointing that fits with a 15 % margin on the activations is 0 blocks.
 #   Not yet measured on a GPU: if it runs out of memory, grad_ckpt = True and ckpt_blocks = a few
-#   (model.ckpt_order: encoder blocks first).
+#   (infra/plan.py's ckpt_order: encoder blocks first).
 micro_batch = 1
 grad_accum = 1
 blr = 1.5e-4

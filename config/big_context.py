@@ -16,7 +16,7 @@
 # memory:   per GPU, bf16: the activations without checkpointing would not fit; with every block checkpointed
 #           they shrink to each block's input, at the price of each block's forward again in backward. ckpt_blocks
 #           below is the planner's least checkpointing that fits with a 15 % margin on the activations (the
-#           encoder's first blocks: they free the most memory per recomputed FLOP, model.ckpt_order). Besides the
+#           encoder's first blocks: they free the most memory per recomputed FLOP, plan.ckpt_order). Besides the
 #           activations: the ZeRO-2 state (bf16 weights replicated; fp32 master, Adam and the fp32 gradient share
 #           partitioned over 128; 2 reduce buckets of zero_bucket elements and, while one is reduced, its flat
 #           copy and fp32 cast), the ring's buffers (plan.ring_bytes) and 3 GB of workspace. Not yet measured

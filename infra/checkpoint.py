@@ -513,6 +513,25 @@ def _repair_zero3_universal_load(engine, folder):
         group.update({k: v for k, v in was.items() if k != "params"})
 
 
+# the config keys model.build_model reads, for both models and for each task's: a checkpoint or a model file carries
+# its run's config, and one written before a key existed cannot rebuild its model (check_model_config refuses it)
+MODEL_KEYS = ("model_size", "heads", "dec_heads", "crop", "patch", "task")
+TASK_KEYS = {"mae": ("mask_ratio", "norm_pix_loss", "mask_strata", "cp"),
+             "segment": ("classes", "pos_weight", "seg_head", "seg_features")}
+
+
+def check_model_config(c, where):
+    """Raise ConfigError, one line, unless config `c` (what the checkpoint or model file at `where` carries) has every
+    key its model is built from (MODEL_KEYS and its task's TASK_KEYS)."""
+    missing = [k for k in MODEL_KEYS + TASK_KEYS.get(c.get("task"), ()) if k not in c]
+    if missing:
+        one = len(missing) == 1
+        raise configurator.ConfigError(
+            f"{where}: its config has no {', '.join(missing)} (written before {'the key' if one else 'those keys'} "
+            f"existed): add {'it' if one else 'them'}, with the value its run used, to the config it carries (a "
+            f"checkpoint's COMPLETE, a model file's 'config') and try again")
+
+
 def global_batch(c, world):
     """Samples per optimizer step of a run of config `c` on `world` ranks: micro_batch x grad_accum x dp."""
     return c["micro_batch"] * c["grad_accum"] * (world // (c.get("cp") or 1))
@@ -526,15 +545,17 @@ def check_compatible(meta, cfg, world, dtype, where):
     fine (elastic resume, see the top of this file); the global batch must stay unless allow_batch_change."""
     # what the run's function depends on must not change under it: the model, the data stream, the masks
     # (mask_ratio; mask_strata, whose default follows cp) and the compute dtype (resolved: 'auto' is bf16 on
-    # GPU). Older checkpoints lack some keys: those are not compared.
+    # GPU). A checkpoint whose config lacks a key of its model is refused (check_model_config); older checkpoints
+    # lack some other keys: those are not compared.
+    check_model_config(meta["config"], f"checkpoint {where}")
+
     def resolved(c, dt):
         return {**{k: c.get(k) for k in ("model_size", "patch", "seed", "strategy", "crop", "mask_ratio")},
-                # the heads split the same weights into another function (older checkpoints: the size's own)
+                # the heads split the same weights into another function
                 "heads, dec_heads": head_counts(c),
-                # the task and what it learns (older checkpoints: pretraining)
-                "task": c.get("task", "mae"), **({k: c.get(k) for k in ("label_var", "classes")}
-                                                 if c.get("task") == "segment" else {}),
-                "mask_strata": (c.get("mask_strata") or c.get("cp")) if "mask_strata" in c else None,
+                # the task and what it learns
+                "task": c["task"], **({k: c.get(k) for k in ("label_var", "classes")} if c["task"] == "segment" else {}),
+                "mask_strata": (c["mask_strata"] or c["cp"]) if c["task"] == "mae" else None,  # (a segmenter masks none)
                 # what is held out: training never touched it, and must not start to (nor a validation of trained
                 # inlines pass for held out, e.g. an eval_only with another val_frac)
                 "val_paths or val_frac": (c.get("val_paths") or c.get("val_frac")) if "val_frac" in c else None,

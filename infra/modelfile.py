@@ -105,6 +105,7 @@ def find_checkpoint(out_dir, tag=None):
     meta = checkpoint.read_marker(os.path.join(ckpt_dir, tag))
     if meta is None:  # (gone or torn between the listing and now: another process at work in out_dir)
         raise configurator.ConfigError(f"cannot read {ckpt_dir}/{tag}/COMPLETE any more: is a run moving it? try again")
+    checkpoint.check_model_config(meta.get("config") or {}, f"{ckpt_dir}/{tag}")
     return ckpt_dir, tag, {**meta, "tag": tag}
 
 
@@ -302,7 +303,7 @@ def read_model_file(path_or_obj, map_location="cpu", mmap=False):
     "tag" (the checkpoint it came from). Read with weights_only=True: only tensors and plain types, no code runs.
     mmap=True: the tensors stay on disk until used (a look at the config costs nothing; the ranks of a node share
     one read through the page cache). Raises ConfigError for anything that is not a seismic-mae model file of a
-    version this file reads."""
+    version this file reads, or whose config lacks a key its model is built from (checkpoint.check_model_config)."""
     if isinstance(path_or_obj, (str, os.PathLike)):
         name = str(path_or_obj)
         try:
@@ -329,6 +330,7 @@ def read_model_file(path_or_obj, map_location="cpu", mmap=False):
     if obj.get("version") != VERSION:
         raise configurator.ConfigError(f"{name} is a seismic-mae model file of version {obj.get('version')!r}; this "
                                        f"scripts/export.py reads version {VERSION}")
+    checkpoint.check_model_config(obj.get("config") or {}, name)
     meta = {k: v for k, v in obj.items() if k != "model"}
     meta["tag"] = (obj.get("source") or {}).get("tag")
     return obj["model"], meta
@@ -415,7 +417,7 @@ def check_init(src, cfg, where):
     # the heads split the same weights into another function; the decoder's count matters where its blocks are
     # taken (pretraining, or fine-tuning with the linear head: the UNETR head takes the encoder alone)
     (h, dh), (h2, dh2) = head_counts(src), head_counts(cfg)
-    if cfg.get("task", "mae") == "segment" and cfg.get("seg_head", "linear") == "unetr":
+    if cfg["task"] == "segment" and cfg["seg_head"] == "unetr":
         dh = dh2
     if (h, dh) != (h2, dh2):
         raise configurator.ConfigError(
@@ -433,7 +435,7 @@ def warm_start(model, path, cfg, name=None):
     own = model.state_dict()
     want = [k for k in own if meta.get("encoder_only") is not True or part(k) == "encoder"]
     have = list(sd)
-    if isinstance(model, Segmenter) and meta["config"].get("task", "mae") == "mae":  # fine-tuning a pretrained MAE: its encoder
+    if isinstance(model, Segmenter) and meta["config"]["task"] == "mae":  # fine-tuning a pretrained MAE: its encoder
         want = [k for k in want if not k.startswith(("seg_pred", "head."))]  # (and with the linear head its decoder
         have = [k for k in have if not k.startswith(PRETRAINING_ONLY)]  # blocks); the head, or its output, is new
         if model.seg_head == "unetr":  # the UNETR head has no use for the MAE's decoder
@@ -451,7 +453,7 @@ def warm_start(model, path, cfg, name=None):
                   ("the encoder", " (the decoder starts fresh)") if "decoder_blocks" in fresh else
                   ("every weight but the head's output layer", " (seg_pred starts fresh)") if fresh else
                   ("every weight", ""))
-    kind = "MAE" if src.get("task", "mae") == "mae" else "segmenter"
+    kind = "MAE" if src["task"] == "mae" else "segmenter"
     return (f"init_from {name or path}{f' (exported to {path})' if name else ''}: "
             f"{took} of a {src['model_size']} {kind} trained {meta['step']} steps on {tuple(src['crop'])} crops{note}; "
             f"a new run from step 0, fresh optimizer")

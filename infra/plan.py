@@ -41,10 +41,17 @@ BLOCK_SAVED = 17  # activations saved per token per block, in units of width C (
 # FLOPs: what a model computes per sample (the MFU's numerator; sample_seconds prices them)
 
 
+def visible(m):
+    """Visible patch tokens per sample of model m, as the FLOP and memory counts take them: the MAE's n_keep(); a
+    segmenter masks nothing and has no cls token, so its encoder's L tokens count as L - 1 visible: for either
+    model the encoder's sequence is visible(m) + 1."""
+    return m.L - 1 if isinstance(m, Segmenter) else m.n_keep()
+
+
 def block_flops(m, stack):
     """Forward FLOPs of one block of `stack` ("enc" or "dec") of model m per sample (see flops_per_sample)."""
     mlp = int(m.blocks[0].fc1.out_features / m.dim) if len(m.blocks) else 4
-    N, C = (m.n_keep() + 1, m.dim) if stack == "enc" else (m.L, m.dec_dim)
+    N, C = (visible(m) + 1, m.dim) if stack == "enc" else (m.L, m.dec_dim)
     return (8 + 4 * mlp) * N * C * C + 4 * N * N * C
 
 
@@ -61,9 +68,38 @@ def flops_per_sample(m):
     if isinstance(m, Segmenter):
         return 3 * (2 * m.L * m.P * m.dim + enc + 2 * m.L * m.dim * m.dec_dim
                     + len(m.decoder_blocks) * block_flops(m, "dec") + 2 * m.L * m.dec_dim * m.P * m.seg_out)
-    n = m.n_keep()
+    n = visible(m)
     dec = 2 * n * m.dim * m.dec_dim + len(m.decoder_blocks) * block_flops(m, "dec") + 2 * m.L * m.dec_dim * m.P
     return 3 * (2 * n * m.P * m.dim + enc + dec)
+
+
+# -----------------------------------------------------------------------------
+# activation checkpointing: which blocks a run recomputes (the model checkpoints the ones it is given:
+# model.Encoder.set_grad_ckpt), and what that costs
+
+
+def ckpt_order(m):
+    """Every block of model m, ("enc" | "dec", index), in the order activation checkpointing takes them: most
+    activation bytes freed per FLOP recomputed first. A checkpointed block keeps its input (C per token) instead of
+    17 C (BLOCK_SAVED), so it frees ~16 C N bytes per sample and costs its forward again, (8 + 4 mlp) N C^2 +
+    4 N^2 C FLOPs (block_flops): the ratio is ~16 / ((8 + 4 mlp) C + 4 N), larger for the stack with the smaller
+    (8 + 4 mlp) C + 4 N. Under cp both N and the bytes divide by cp, the order does not change. At
+    big_context the encoder (C 1,664, N 294,912) frees 4x more per FLOP than the decoder (C 512, N
+    1,179,648: its attention over the whole sample makes its recompute dear): encoder blocks go first.
+    Within a stack the blocks are alike; the first ones go first."""
+    mlp = int(m.blocks[0].fc1.out_features / m.dim) if len(m.blocks) else 4
+    cost = {"enc": (8 + 4 * mlp) * m.dim + 4 * (visible(m) + 1), "dec": (8 + 4 * mlp) * m.dec_dim + 4 * m.L}
+    stacks = sorted(("enc", "dec"), key=lambda st: cost[st])  # (stable: encoder first on a tie)
+    return [(st, i) for st in stacks for i in range(len(m.blocks if st == "enc" else m.decoder_blocks))]
+
+
+def checkpointed(m, cfg):
+    """The blocks of model m that a run of config cfg checkpoints, for m.set_grad_ckpt: none without grad_ckpt; with
+    it every block (ckpt_blocks = -1) or the first ckpt_blocks of ckpt_order(m) (configurator checks the count)."""
+    if not cfg["grad_ckpt"]:
+        return set()
+    order = ckpt_order(m)
+    return set(order if cfg["ckpt_blocks"] < 0 else order[:cfg["ckpt_blocks"]])
 
 
 def recompute_flops(m):
@@ -75,7 +111,7 @@ def recompute_flops(m):
 def activation_bytes(m, micro_batch, cp, elem, ckpt=None):
     """(persistent, transient) bytes of activations on one rank for a model `m` (model.MAE) whose tokens are
     split over cp ranks; elem = bytes per activation element (2 for bf16). ckpt: the blocks checkpointed (True
-    every one, False none, k the first k of m.ckpt_order()); None: those m checkpoints.
+    every one, False none, k the first k of ckpt_order(m)); None: those m checkpoints (m.ckpt).
     persistent: what autograd keeps from forward to backward. A pre-norm block on N tokens of width C saves,
       per token: LayerNorm inputs (2C), qkv input (C), q, k, v (3C) and output (C) of the fused attention
       (+ its fp32 log-sum-exp, 4H bytes), proj input (C), fc1 input (C), GELU input (4C), fc2 input (4C) =
@@ -87,11 +123,10 @@ def activation_bytes(m, micro_batch, cp, elem, ckpt=None):
       gathered copy and its fp32 cast, the gathered targets and their fp32 cast, the squared error (in
       backward the same sizes again, scattered back into an all-token gradient); the input slab (it arrives in
       the compute dtype: train.prepare_batch casts it on the host) and its patchified copy."""
-    ne, nd = (m.n_keep() + 1) / cp, m.L / cp
-    nm = (m.L - m.n_keep()) / cp  # masked tokens on this rank
-    order = m.ckpt_order()
-    k = len(m.ckpt) if ckpt is None else len(order) if ckpt is True else int(ckpt)
-    chosen = order[:k]
+    ne, nd = (visible(m) + 1) / cp, m.L / cp
+    nm = (m.L - visible(m)) / cp  # masked tokens on this rank
+    order = ckpt_order(m)
+    chosen = m.ckpt if ckpt is None else order if ckpt is True else order[:int(ckpt)]
     persistent, recompute = 0.0, 0.0
     for stack, blocks, N, C in (("enc", m.blocks, ne, m.dim), ("dec", m.decoder_blocks, nd, m.dec_dim)):
         if not len(blocks):
@@ -233,7 +268,7 @@ def shapes(m, cp=1):
     (rows, flags, attention seconds per sample on one GPU at the kernel's rate for each head dim and at 128's)."""
     rows, flags, t_attn, t_attn128 = [], [], 0.0, 0.0
     mlp = m.blocks[0].fc1.out_features // m.dim if len(m.blocks) else 4
-    for stack, blocks, N, C in (("encoder", m.blocks, m.n_keep() + 1, m.dim), ("decoder", m.decoder_blocks, m.L, m.dec_dim)):
+    for stack, blocks, N, C in (("encoder", m.blocks, visible(m) + 1, m.dim), ("decoder", m.decoder_blocks, m.L, m.dec_dim)):
         if not len(blocks):
             continue
         H = blocks[0].heads
@@ -261,13 +296,13 @@ def shapes(m, cp=1):
 def stacks(m):
     """(name, blocks, tokens, width) of each non-empty stack of model.MAE m, per sample: the encoder attends over
     the visible tokens and cls, the decoder over every token."""
-    return [(st, b, N, C) for st, b, N, C in (("enc", m.blocks, m.n_keep() + 1, m.dim),
+    return [(st, b, N, C) for st, b, N, C in (("enc", m.blocks, visible(m) + 1, m.dim),
                                              ("dec", m.decoder_blocks, m.L, m.dec_dim)) if len(b)]
 
 
 def sample_seconds(m, k, gpu, mfu, train=True):
     """GPU-seconds of one sample on one GPU of kind `gpu` (a GPUS row): a training pass (forward + backward, the
-    first k blocks of m.ckpt_order() recomputed in backward) or, train=False, an evaluation (forward only). Three
+    first k blocks of ckpt_order(m) recomputed in backward) or, train=False, an evaluation (forward only). Three
     terms; the pass takes max(flop, attention + other):
       flop:      the FLOPs the planner counts (flops_per_sample(m): backward = 2 x forward; plus the forward of
                  each recomputed block) at the MFU assumption, mfu x peak;
@@ -281,7 +316,7 @@ def sample_seconds(m, k, gpu, mfu, train=True):
     by more than its backward's extra FLOPs ((1 + ATTN_BWD) / 3; a low --mfu), the first binds: the MFU assumption
     then covers what the kernels' rates leave out."""
     rate = gpu["flops"] * mfu
-    chosen = m.ckpt_order()[:k] if train else []
+    chosen = ckpt_order(m)[:k] if train else []
     flops = flops_per_sample(m) + sum(block_flops(m, st) for st, _ in chosen) if train else flops_per_sample(m) / 3
     attn_s = attn_counted = 0.0
     for stack, blocks, N, C in stacks(m):
@@ -394,7 +429,8 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     world / (GPU-seconds per sample)."""
     g = GPUS[gpu]
     cp = cfg["cp"]
-    m = build_model(cfg, device="meta", train=True)  # shapes only; with the run's checkpointed blocks
+    m = build_model(cfg, device="meta")  # shapes only
+    m.set_grad_ckpt(checkpointed(m, cfg))  # the run's checkpointed blocks
     n = param_counts(m)
     P, W = n["P"], world
     elem = 4 if cfg["dtype"] == "float32" else 2  # 'auto' is bf16 on a GPU
@@ -405,7 +441,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
         ring = cfg["micro_batch"] * max(ring_bytes(N / cp, C, C // blocks[0].heads, elem, cp)
                                         for _, blocks, N, C in stacks(m))
     fps = flops_per_sample(m)
-    n_blocks = len(m.ckpt_order())
+    n_blocks = len(ckpt_order(m))
     strategy = cfg["strategy"]
 
     def at(k, margin=1.0):  # (memory per GPU by strategy in GB, samples/s) with the first k blocks checkpointed
@@ -424,7 +460,7 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     sps_full = at(n_blocks)[1]
     # ring traffic per step per rank (all layers, fwd + bwd) and whether compute hides one hop
     ring_traffic, hidden = 0.0, True
-    for blocks, N, C in ((m.blocks, (m.n_keep() + 1) / cp, m.dim), (m.decoder_blocks, m.L / cp, m.dec_dim)):
+    for blocks, N, C in ((m.blocks, (visible(m) + 1) / cp, m.dim), (m.decoder_blocks, m.L / cp, m.dec_dim)):
         if cp > 1 and len(blocks):
             per_layer = (cp - 1) * (2 * N * C * elem) * 2 + (cp - 1) * (2 * N * C * 4)  # K/V fwd + bwd, dK/dV fp32
             ring_traffic += len(blocks) * per_layer * cfg["micro_batch"]
@@ -457,14 +493,14 @@ def plan(cfg, world, gpu="H200", mfu=0.4, gpus_per_node=8):
     ckpt_s = ckpt_bytes / (cfg["ckpt_write_gbps"] * 1e9)
     # x 1.5 for the planner's error, + 60 s: SLURM may send the signal up to a minute early or late (its timer)
     stop_lead = math.ceil(60 + 1.5 * (2 * step_s + eval_s + ckpt_s))
-    return {"gpu": gpu, "world": W, "gpus_per_node": gpus_per_node, "dp": W // cp, "cp": cp, "params": P, "tokens": m.L, "visible": m.n_keep(),
-            "enc_tokens_per_rank": (m.n_keep() + 1) / cp, "dec_tokens_per_rank": m.L / cp,
+    return {"gpu": gpu, "world": W, "gpus_per_node": gpus_per_node, "dp": W // cp, "cp": cp, "params": P, "tokens": m.L, "visible": visible(m),
+            "enc_tokens_per_rank": (visible(m) + 1) / cp, "dec_tokens_per_rank": m.L / cp,
             "flops_per_sample": fps, "mfu": mfu, "samples_per_s": sps,
             "mem_per_gpu_gb": round(mem[strategy], 2), "mem_by_strategy_gb": {k: round(v, 2) for k, v in mem.items()},
             "states_gb": {k: round(step_bytes(st, 0)["peak"] / 1e9, 2) for k, st in states.items()},
             "activations_gb": round(act / 1e9, 2), "activations_no_ckpt_gb": round(act_none / 1e9, 2),
             "activations_full_ckpt_gb": round(act_all / 1e9, 2),
-            "ckpt_blocks": k_cfg, "blocks": n_blocks, "ckpt_order": list(dict.fromkeys(st for st, _ in m.ckpt_order())),
+            "ckpt_blocks": k_cfg, "blocks": n_blocks, "ckpt_order": list(dict.fromkeys(st for st, _ in ckpt_order(m))),
             "ckpt_blocks_fit": k_fit, "samples_per_s_ckpt_fit": sps_fit, "samples_per_s_full_ckpt": sps_full,
             "recompute_flops_per_sample": recompute_flops(m),
             "head_dims": {"enc": m.dim // m.blocks[0].heads,

@@ -154,8 +154,8 @@ def predict(argv, stop, held):
     cp_rank, dp_rank, dp, cp_group = distributed.cp_groups(cp)
     # ---- what would be written, checked against what is there before any work
     cfg = modelfile.init_source(a.model, "MODEL")[0]  # (the model's config, cheaply: no weight is read)
-    if cfg.get("task", "mae") != "segment":
-        raise configurator.ConfigError(f"{a.model} is a pretrained MAE (task={cfg.get('task', 'mae')!r}), not a "
+    if cfg["task"] != "segment":
+        raise configurator.ConfigError(f"{a.model} is a pretrained MAE (task={cfg['task']!r}), not a "
                                        f"segmenter: predict needs a fine-tuned model (train.py task='segment', "
                                        f"init_from=it), or its out_dir")
     patch = tuple(cfg["patch"])
@@ -177,7 +177,7 @@ def predict(argv, stop, held):
     if any(t % c for t, c in zip(tile, chunks)):
         raise configurator.ConfigError(f"--tile={a.tile}: each axis a multiple of the output's chunks {chunks} (the "
                                        f"survey's), so that no two tiles write one chunk")
-    classes = int(cfg.get("classes", 2))
+    classes = int(cfg["classes"])
     labels = vol.variable(a.score, "--score") if a.score else None  # (a missing or unfit variable: its error, before any work)
     try:
         inl = tuple(int(x) for x in a.score_inlines.split(":")) if a.score_inlines else (0, shape[0])

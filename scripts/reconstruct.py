@@ -87,7 +87,7 @@ def main(argv):
     if meta.get("encoder_only"):
         raise configurator.ConfigError(f"{a.model} holds the encoder only: it cannot reconstruct. Export without "
                                        f"--encoder_only (python -m scripts.export OUT_DIR)")
-    if meta["config"].get("task", "mae") != "mae":
+    if meta["config"]["task"] != "mae":
         raise configurator.ConfigError(f"{a.model} is a fine-tuned segmenter (task={meta['config']['task']!r}): it "
                                        f"predicts classes, not voxels; its figures are the run's own "
                                        f"(figures/segment_step_N.png). Reconstruct with the pretrained model")
@@ -104,7 +104,7 @@ def main(argv):
     mask_ratio = cfg["mask_ratio"] if a.mask_ratio is None else a.mask_ratio
     configurator.check_masking({"mask_ratio": mask_ratio, "crop": crop, "patch": cfg["patch"]})  # (what training refuses)
     # one process: the run's mask strata are kept (cp = 1 draws the same masks as any cp, see model.py)
-    strata = cfg.get("mask_strata") or cfg.get("cp", 1)
+    strata = cfg["mask_strata"] or cfg["cp"]
     grid = token_grid(crop, cfg["patch"])
     if math.prod(grid) % strata:
         strata = 1

@@ -6,6 +6,7 @@ model, run through the same evaluate.run in this one process, must give the same
 (train.setup's) gives step 0's, which makes "the export differs from the init" a statement about the real init.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -247,6 +248,35 @@ def test_cli(runs, tmp_path):
         assert r.returncode == 2, (args, r.returncode, r.stderr[-2000:])
         lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
         assert len(lines) == 1 and all(s in lines[0] for s in says) and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_a_model_file_whose_config_lacks_a_model_key_is_refused_naming_file_and_keys(tmp_path):
+    """A model file or a checkpoint carries its run's config, and its model is built from it (model.build_model): one
+    written before a key that the model needs existed is refused, by every reader (load, init_from's init_source,
+    resume's check_compatible, the commands), in one line naming the file, the keys missing and the fix; no default
+    stands in for them. The keys checked (checkpoint.MODEL_KEYS, TASK_KEYS) are all that build_model reads: it builds
+    either model from them alone. Needs no run: the file is written here."""
+    cfg = {**configurator.defaults(), "model_size": "tiny", "crop": [16, 16, 32], "patch": [8, 8, 8]}
+    for task in ("mae", "segment"):
+        c = {**cfg, "task": task}
+        M.build_model({k: c[k] for k in checkpoint.MODEL_KEYS + checkpoint.TASK_KEYS[task]}, device="meta")
+    obj = {"format": modelfile.FORMAT, "version": modelfile.VERSION, "model": M.build_model(cfg).state_dict(),
+           "config": cfg, "step": 0, "encoder_only": False, "source": {"tag": "step_0000000"}}
+    assert modelfile.load(obj)[1]["step"] == 0  # whole, it loads
+    old_cfg = {k: v for k, v in cfg.items() if k not in ("dec_heads", "norm_pix_loss")}
+    old = tmp_path / "old.pt"
+    torch.save({**obj, "config": old_cfg}, old)
+    says = f"{old}: its config has no dec_heads, norm_pix_loss (written before those keys existed): add them"
+    for read in (modelfile.load, modelfile.init_source):
+        with pytest.raises(configurator.ConfigError, match=re.escape(says)):
+            read(str(old))
+    with pytest.raises(configurator.ConfigError, match="checkpoint ckpt/step_0000002: its config has no dec_heads, "
+                                                       "norm_pix_loss .* to the config it carries"):
+        checkpoint.check_compatible({"config": old_cfg, "world": 1}, cfg, 1, None, "ckpt/step_0000002")
+    r = subprocess.run([sys.executable, "-m", "scripts.export", f"--check={old}"], cwd=ROOT, env=job_env(),
+                       capture_output=True, text=True, timeout=300)
+    lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert r.returncode == 2 and len(lines) == 1 and says in lines[0] and "Traceback" not in r.stderr, r.stderr[-3000:]
 
 
 # ---- scripts/reconstruct.py: a model file (or a run's out_dir) and a store -> the masked MSE and the four-panel figure

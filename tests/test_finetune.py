@@ -457,7 +457,7 @@ def test_the_label_efficiency_table_runs_small(tmp_path):
     pre = modelfile.load(last("pretrained"))[0].state_dict()
     twin, meta = modelfile.load(last("scratch_n1_s0"))
     torch.manual_seed(meta["config"]["seed"])
-    fresh = build_model(meta["config"], train=True).state_dict()
+    fresh = build_model(meta["config"]).state_dict()
     enc = [k for k in pre if k.startswith(("patch_embed", "cls_token", "blocks."))]
     assert enc and all(torch.equal(modelfile.load(last("pretrained_n1_s0"))[0].state_dict()[k], pre[k]) for k in enc)
     assert all(torch.equal(twin.state_dict()[k], fresh[k]) for k in enc)

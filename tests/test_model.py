@@ -158,11 +158,13 @@ def test_tiny_model_overfits_one_batch():
 
 @pytest.mark.parametrize("ckpt", [True, 1, 3, 5])
 def test_grad_ckpt_same_gradients(ckpt):
-    """Every block, or the first k of ckpt_order(): the same gradients as no checkpointing, and exactly the chosen
-    blocks run their forward twice (once more in backward: that is the recompute)."""
+    """Every block (set_grad_ckpt(True)), or a run's first k of the planner's ckpt_order (plan.checkpointed): the same
+    gradients as no checkpointing, and exactly the chosen blocks run their forward twice (once more in backward: that
+    is the recompute). A block the model does not have is refused."""
     torch.manual_seed(0)
     a = M.mae("tiny", grid=(2, 2, 4), patch=(4, 4, 4))
-    b = M.mae("tiny", grid=(2, 2, 4), patch=(4, 4, 4), grad_ckpt=ckpt)
+    b = M.mae("tiny", grid=(2, 2, 4), patch=(4, 4, 4))
+    b.set_grad_ckpt(True if ckpt is True else plan.checkpointed(b, {"grad_ckpt": True, "ckpt_blocks": ckpt}))
     b.load_state_dict(a.state_dict())
     calls = {}  # (forward hooks do not fire in checkpoint's recompute: each block's forward is wrapped instead)
     for stack, blocks in (("enc", b.blocks), ("dec", b.decoder_blocks)):
@@ -176,30 +178,35 @@ def test_grad_ckpt_same_gradients(ckpt):
     b(x, noise)[0].backward()
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
-    order = b.ckpt_order()
+    order = plan.ckpt_order(b)
     k = len(order) if ckpt is True else ckpt
     assert {key for key, c in calls.items() if c == 2} == set(order[:k]) == b.ckpt
     assert all(c in (1, 2) for c in calls.values()) and len(calls) == len(order) == 6
+    assert plan.checkpointed(b, {"grad_ckpt": True, "ckpt_blocks": -1}) == set(order)
+    assert plan.checkpointed(b, {"grad_ckpt": False, "ckpt_blocks": -1}) == set()
+    with pytest.raises(AssertionError, match="no such blocks"):
+        b.set_grad_ckpt([("dec", 2)])
 
 
 def test_ckpt_order_frees_the_most_bytes_per_recomputed_flop_first():
-    """A stack's blocks go first when (8 + 4 mlp) C + 4 N is smaller (model.ckpt_order): at big_context's shapes the
+    """A stack's blocks go first when (8 + 4 mlp) C + 4 N is smaller (plan.ckpt_order): at big_context's shapes the
     encoder (1,664 wide, 294,912 tokens) before the decoder (512 wide, 1,179,648 tokens); in a tiny model with few
     tokens the narrower decoder first."""
-    with torch.device("meta"):
-        big = M.mae("G", grid=(96, 96, 128), patch=(16, 16, 16), mask_strata=8)
-        tiny = M.mae("tiny", grid=(2, 2, 4), patch=(4, 4, 4))
-    assert big.ckpt_order()[0] == ("enc", 0) and big.ckpt_order()[48] == ("dec", 0)
-    assert tiny.ckpt_order()[0] == ("dec", 0)
+    with torch.device("meta"):  # (init=False: shapes only)
+        big = M.mae("G", grid=(96, 96, 128), patch=(16, 16, 16), mask_strata=8, init=False)
+        tiny = M.mae("tiny", grid=(2, 2, 4), patch=(4, 4, 4), init=False)
+    assert plan.ckpt_order(big)[0] == ("enc", 0) and plan.ckpt_order(big)[48] == ("dec", 0)
+    assert plan.ckpt_order(tiny)[0] == ("dec", 0)
     for m in (big, tiny):  # the order is by freed bytes (16 C N per block) per recomputed FLOP
-        per = {st: 16 * C * N / plan.block_flops(m, st) for st, C, N in (("enc", m.dim, m.n_keep() + 1), ("dec", m.dec_dim, m.L))}
-        assert per[m.ckpt_order()[0][0]] >= per[m.ckpt_order()[-1][0]]
+        shapes = (("enc", m.dim, plan.visible(m) + 1), ("dec", m.dec_dim, m.L))
+        per = {st: 16 * C * N / plan.block_flops(m, st) for st, C, N in shapes}
+        assert per[plan.ckpt_order(m)[0][0]] >= per[plan.ckpt_order(m)[-1][0]]
 
 
 def test_heads_split_the_same_weights_into_another_function_that_resume_and_init_from_guard():
     """heads / dec_heads (0: the size's own, model.SIZES) change no parameter and so no checkpoint's shapes, only the
     function: a tiny MAE's weights load into its one-head twin and give other outputs. So a checkpoint or a model
-    file older than the keys (no heads in its config) is the size's own heads, resumes and warm-starts as before,
+    file trained with the size's own heads (0) resumes and warm-starts as before under the same counts written out,
     and another split is refused with the counts it was trained with; the UNETR fine-tuning takes the encoder
     alone, so its decoder's heads do not matter. Counts that do not divide the width are a config error naming an
     aligned one."""
@@ -215,7 +222,7 @@ def test_heads_split_the_same_weights_into_another_function_that_resume_and_init
     with torch.no_grad():
         a, b = (m(x, noise=noise)[0] for m in (own, one))
     assert not torch.allclose(a, b, atol=1e-4)  # the same weights, another function
-    old = json.loads(json.dumps({k: v for k, v in cfg.items() if k not in ("heads", "dec_heads")}))  # pre-keys
+    old = json.loads(json.dumps(cfg))  # as a checkpoint's COMPLETE holds it: heads 0, the size's own
     assert M.head_counts(old) == M.head_counts(cfg) == M.head_counts({**cfg, "heads": 4}) == (4, 4)
     meta = {"config": old, "world": 1, "dtype": "torch.float32"}
     for same in (cfg, {**cfg, "heads": 4, "dec_heads": 4}):
