@@ -333,6 +333,12 @@ def check_config(cfg):
                                            f"pip install tensorboard, or drop tensorboard=True") from None
 
 
+def check_world(cfg, world):
+    """The one check that needs the world size (torchrun's ranks), made before any work: cp groups split it evenly."""
+    need(world % cfg["cp"] == 0, f"world size {world} is not divisible by cp={cfg['cp']}: launch a multiple of "
+                                 f"{cfg['cp']} ranks (NPROC=...), or change cp")
+
+
 def check_masking(cfg):
     """mask_ratio in (0, 1), leaving at least one visible token of the crop's (scripts/reconstruct.py asks too)."""
     need(0.0 < cfg["mask_ratio"] < 1.0, f"mask_ratio must be in (0, 1), got {cfg['mask_ratio']}")

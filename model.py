@@ -460,11 +460,6 @@ def seg_loss(logits, labels, pos_weight=1.0):
     return F.cross_entropy(logits.flatten(0, 2), labels.flatten().long(), reduction="sum")
 
 
-def seg_classes_of(logits):
-    """logits (..., C) -> class per voxel (binary: logit > 0)."""
-    return (logits[..., 0] > 0).long() if logits.shape[-1] == 1 else logits.argmax(-1)
-
-
 def mae_loss(pred, patches, ids_masked, norm_pix_loss=False):
     """Mean squared error per patch, summed over the masked patches ids_masked (B, m) only. Returns (sum,
     count) so that a caller can divide by a count that spans several ranks (context parallelism).
@@ -487,18 +482,6 @@ def mae_loss(pred, patches, ids_masked, norm_pix_loss=False):
 def norm_patches(t):
     """(..., P) -> each patch by its own mean and (unbiased) std, + 1e-6 under the root: norm_pix_loss's target."""
     return (t - t.mean(dim=-1, keepdim=True)) / (t.var(dim=-1, keepdim=True) + 1e-6) ** 0.5
-
-
-def pred_to_voxels(pred, patches, norm_pix_loss=False):
-    """The prediction (B, L, P) on the scale of the input voxels, fp32. With norm_pix_loss the decoder learnt
-    each target patch normalised by that patch's own mean and std (mae_loss), so its output is not voxels:
-    shown as if it were, every patch would look flat and dim. It is de-normalised with the target patch's
-    mean and std (the same + 1e-6), the inverse of what the loss did to the target:
-        voxels = pred * sqrt(var + 1e-6) + mean          (per patch, over its P voxels)"""
-    if not norm_pix_loss:
-        return pred.float()
-    t = patches.float()
-    return pred.float() * (t.var(dim=-1, keepdim=True) + 1e-6) ** 0.5 + t.mean(dim=-1, keepdim=True)
 
 
 # -----------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import torch
 import configurator
 import data
 import ring_attention
-from infra import checkpoint, distributed, dryrun, evaluate, modelfile, outputs, strategies, torch_cp
+from infra import checkpoint, distributed, dryrun, evaluate, modelfile, outputs, plan, strategies, torch_cp
 from infra.cli import run as run_cli
 from infra.ops import Operations
 from infra.runlog import RunLog, check_log, describe
@@ -107,9 +107,7 @@ class Job:
 def setup(cfg):
     """Distributed init, data, model, optimizer, the strategy's engine. Returns a Job."""
     rank, world, device = distributed.init()  # torchrun's ranks, or a world of 1
-    if world % cfg["cp"]:  # the one check that needs the world size, before any work
-        raise configurator.ConfigError(f"world size {world} is not divisible by cp={cfg['cp']}: launch a multiple of "
-                                       f"{cfg['cp']} ranks (NPROC=...), or change cp")
+    configurator.check_world(cfg, world)  # (the world splits into cp groups)
     cp_rank, dp_rank, dp_size, cp_group = distributed.cp_groups(cfg["cp"])
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16}[cfg["dtype"]]

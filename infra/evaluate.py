@@ -109,7 +109,7 @@ def run_segment(forward, model, sampler, n, device, dtype, micro_batch, cp_rank=
         x = sampler.read(ids).to(device=device, dtype=dtype)  # (B, 2, Z / cp, Y, X): amplitude, labels
         _, logits = forward(x)  # (B, L / cp, P, seg_out)
         y = M.patchify(x[:, 1:].float(), model.patch).long()  # (B, L / cp, P)
-        pred = M.seg_classes_of(logits)
+        pred = (logits[..., 0] > 0).long() if logits.shape[-1] == 1 else logits.argmax(-1)  # (binary: logit > 0)
         for b, (i, w) in enumerate(batch):
             if w:
                 sums[i] += M.seg_loss(logits[b:b + 1], y[b:b + 1], model.seg_pos_weight).double() / (model.L * model.P)
@@ -269,6 +269,18 @@ def join_parts(parts):
     return out
 
 
+def pred_to_voxels(pred, patches, norm_pix_loss=False):
+    """The prediction (B, L, P) on the scale of the input voxels, fp32. With norm_pix_loss the decoder learnt
+    each target patch normalised by that patch's own mean and std (model.mae_loss), so its output is not voxels:
+    shown as if it were, every patch would look flat and dim. It is de-normalised with the target patch's
+    mean and std (the same + 1e-6), the inverse of what the loss did to the target:
+        voxels = pred * sqrt(var + 1e-6) + mean          (per patch, over its P voxels)"""
+    if not norm_pix_loss:
+        return pred.float()
+    t = patches.float()
+    return pred.float() * (t.var(dim=-1, keepdim=True) + 1e-6) ** 0.5 + t.mean(dim=-1, keepdim=True)
+
+
 def voxel_views(model, x, pred, mask):
     """Sample 0 of a batch as voxels: (x in its own dtype, reconstruction float, masked bool) each (Z_loc, Y, X),
     tensors on the device of the inputs (no host copy: a slab is GBs at long context; centre_parts cuts the
@@ -277,7 +289,7 @@ def voxel_views(model, x, pred, mask):
     import model as M
     gz, gy, gx = x.shape[2] // model.patch[0], x.shape[3] // model.patch[1], x.shape[4] // model.patch[2]
     patches = M.patchify(x[:1].float(), model.patch)
-    recon = M.unpatchify(M.pred_to_voxels(pred[:1], patches, model.norm_pix_loss), model.patch, (gz, gy, gx))
+    recon = M.unpatchify(pred_to_voxels(pred[:1], patches, model.norm_pix_loss), model.patch, (gz, gy, gx))
     m = M.unpatchify(mask[:1, :, None].expand(-1, -1, model.P).float(), model.patch, (gz, gy, gx)) > 0.5
     return x[0, 0], recon[0, 0], m[0, 0]
 

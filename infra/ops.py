@@ -31,6 +31,7 @@ import time
 
 import torch
 
+import configurator
 from infra import checkpoint, distributed, lease, plan
 from infra import stop as stop_signals
 from infra.stop import INTERRUPTED, RESUMABLE, Interrupted, write_stopped
@@ -52,6 +53,7 @@ class Operations:
         and a live one held by another run is refused on every rank (infra/lease.py)."""
         cfg = self.cfg
         rank, world, _ = distributed.init()  # (train.py's setup calls it again: it is started once)
+        configurator.check_world(cfg, world)  # (before the planner splits the world into cp groups)
         p = plan.plan(cfg, world, gpus_per_node=max(1, world // cfg["nodes"]))  # what another host can't measure yet
         eval_ckpt_s = p["eval_s"] + p["ckpt_s"]
         log = print if rank == 0 else (lambda *a, **k: None)

@@ -14,7 +14,7 @@ four-panel figure that training writes at each evaluation (train.py -> infra/eva
 for the inline, crossline and time slices through the crop's centre, in the seismic gray colormap with one
 symmetric clip per row (the 99th percentile of |original|), axes in the volume's inline / crossline / time
 sample indices. With norm_pix_loss the model predicts each patch normalised by its own mean and std: the
-figure shows the prediction de-normalised with the target patch's mean and std (model.pred_to_voxels) and
+figure shows the prediction de-normalised with the target patch's mean and std (evaluate.pred_to_voxels) and
 says so in its title; shown raw, every patch would look flat.
 
 Without --origin a crop is drawn from the seed: inside the held-out inlines when the store is one of the
@@ -35,7 +35,7 @@ import configurator
 import data
 import model as M
 from infra import cli, library, modelfile, outputs, reader
-from infra.evaluate import centre_parts, figure_title, join_parts, recon_figure, voxel_views
+from infra.evaluate import centre_parts, figure_title, join_parts, pred_to_voxels, recon_figure, voxel_views
 from infra.plan import activation_bytes
 from model import build_model, token_grid
 
@@ -166,7 +166,7 @@ def main(argv):
     with torch.no_grad():
         ids_keep = model.keep_ids(noise)
         loss, pred, mask = model(x, ids_keep=ids_keep)
-        recon_patches = M.pred_to_voxels(pred, M.patchify(x, model.patch), model.norm_pix_loss)
+        recon_patches = pred_to_voxels(pred, M.patchify(x, model.patch), model.norm_pix_loss)
         masked = mask[0] > 0.5
         vox_mse = (recon_patches[0][masked] - M.patchify(x, model.patch)[0][masked]).pow(2).mean().item()
     mse = loss.item()
