@@ -51,7 +51,7 @@ def _timed(fn, dev, reps):
 
 
 def _init_world_1():
-    """A process group of one rank on this device (NCCL on the GPU, gloo on CPU), on a free port."""
+    """A process group of one rank on this device (NCCL on the GPU, gloo on CPU), its rendezvous in-process."""
     import torch.distributed as dist
 
     from infra import distributed

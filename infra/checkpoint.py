@@ -46,7 +46,7 @@ import torch
 import configurator
 from infra.distributed import on_rank_0
 from infra.outputs import StorageError, fsync_dir, fsync_tree  # (checkpoint's own names too: tests wrap them)
-from model import head_counts
+from model import SIZES, head_counts
 
 
 def read_marker(folder):
@@ -522,7 +522,7 @@ TASK_KEYS = {"mae": ("mask_ratio", "norm_pix_loss", "mask_strata", "cp"),
 
 def check_model_config(c, where):
     """Raise ConfigError, one line, unless config `c` (what the checkpoint or model file at `where` carries) has every
-    key its model is built from (MODEL_KEYS and its task's TASK_KEYS)."""
+    key its model is built from (MODEL_KEYS and its task's TASK_KEYS) and a model size model.py has (SIZES)."""
     missing = [k for k in MODEL_KEYS + TASK_KEYS.get(c.get("task"), ()) if k not in c]
     if missing:
         one = len(missing) == 1
@@ -530,6 +530,9 @@ def check_model_config(c, where):
             f"{where}: its config has no {', '.join(missing)} (written before {'the key' if one else 'those keys'} "
             f"existed): add {'it' if one else 'them'}, with the value its run used, to the config it carries (a "
             f"checkpoint's COMPLETE, a model file's 'config') and try again")
+    if c["model_size"] not in SIZES:  # (a file of a size this code no longer has, or another branch's)
+        raise configurator.ConfigError(f"{where}: its model_size {c['model_size']!r} is not one this code knows "
+                                       f"({', '.join(SIZES)}): use the code that wrote it")
 
 
 def global_batch(c, world):

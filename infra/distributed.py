@@ -45,17 +45,19 @@ def init():
     elif os.environ.get("DS_ACCELERATOR") == "cpu":
         del os.environ["DS_ACCELERATOR"]  # inherited from a CPU machine (a login node): wrong here
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local) if on_gpu else torch.device("cpu")
+    if dist.is_initialized():  # (started already: train.py's Operations, then its setup): the same answer
+        return rank, world, device
     alone = world == 1 and not os.environ.get("TORCHELASTIC_RUN_ID")
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # (torchrun sets it for the ranks it starts)
         die_with_launcher()
     if on_gpu:
         torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        lone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}
-        dist.init_process_group(**group_kwargs(on_gpu, local), **lone)
+    lone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}
+    dist.init_process_group(**group_kwargs(on_gpu, local), **lone)
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # (every rank has joined: its node's peers exist)
         siblings.update(find_siblings())
-    return rank, world, torch.device("cuda", local) if on_gpu else torch.device("cpu")
+    return rank, world, device
 
 
 def group_kwargs(on_gpu, local_rank):
@@ -67,7 +69,7 @@ def group_kwargs(on_gpu, local_rank):
     return {"backend": "gloo"}
 
 
-at_launcher_gone = None  # what a rank does before die_with_launcher ends it: train sets rank 0's lease release
+at_launcher_gone = None  # what a rank does before die_with_launcher ends it: infra/ops.py sets rank 0's lease release
 siblings = {}  # {pid: rank} of the other ranks torchrun started on this node (init finds them): dead_peers()
 
 

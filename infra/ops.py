@@ -27,6 +27,7 @@ read one step late (StopRequest.agreed), so no step waits for it. The stopped ru
 then STOPPED (the one line launch.sh repeats last), and exits RESUMABLE, or INTERRUPTED after a Ctrl-C.
 """
 import os
+import sys
 import time
 
 import torch
@@ -50,7 +51,16 @@ class Operations:
 
     def __enter__(self):
         """One run per out_dir, before anything is written there: rank 0 takes its lease (or takes over a stale one),
-        and a live one held by another run is refused on every rank (infra/lease.py)."""
+        and a live one held by another run is refused on every rank (infra/lease.py). A failure or a Ctrl-C in here
+        (the ranks' rendezvous can take minutes) ends as one in the block does: Python calls no __exit__ for it."""
+        try:
+            self._take_lease()
+        except BaseException:
+            if not self.__exit__(*sys.exc_info()):
+                raise
+        return self
+
+    def _take_lease(self):
         cfg = self.cfg
         rank, world, _ = distributed.init()  # (train.py's setup calls it again: it is started once)
         configurator.check_world(cfg, world)  # (before the planner splits the world into cp groups)
@@ -62,7 +72,6 @@ class Operations:
         self.lease = held if rank == 0 else None
         if self.lease:  # (a kill -9 of the launcher: the rank ends at once, out_dir free)
             distributed.at_launcher_gone = self.lease.release
-        return self
 
     def __exit__(self, kind, error, tb):
         """The run is over (done, stopped, or failed): its data readers closed, out_dir free for the next run. A

@@ -277,6 +277,9 @@ def test_a_model_file_whose_config_lacks_a_model_key_is_refused_naming_file_and_
                        capture_output=True, text=True, timeout=300)
     lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert r.returncode == 2 and len(lines) == 1 and says in lines[0] and "Traceback" not in r.stderr, r.stderr[-3000:]
+    # a model size this code does not have (another branch's, or one since removed): refused in one line too
+    with pytest.raises(configurator.ConfigError, match="its model_size 'colossal' is not one this code knows"):
+        checkpoint.check_compatible({"config": {**cfg, "model_size": "colossal"}, "world": 1}, cfg, 1, None, "ckpt/x")
 
 
 # ---- scripts/reconstruct.py: a model file (or a run's out_dir) and a store -> the masked MSE and the four-panel figure

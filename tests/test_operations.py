@@ -152,6 +152,20 @@ def test_a_setup_that_fails_after_taking_the_lease_releases_it(small_store, tmp_
     assert not os.path.exists(tmp_path / lease.NAME)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["plan", "setup"])
+def test_a_ctrl_c_during_start_up_says_where_the_run_stands_and_frees_out_dir(small_store, tmp_path, where):
+    """A Ctrl-C while the run starts (the ranks' rendezvous and the planner inside Operations' __enter__, before the
+    lease; setup, after it): the last line says the run is interrupted before any step and how to go on, and out_dir
+    holds no lease. (In __enter__ Python calls no __exit__: Operations turns it into the same end itself.)"""
+    r = run_train(small_args(small_store, tmp_path), script="tests/train_hooks.py",
+                  env=job_env(MAE_FAULT=f"interrupt_in:{where}"), timeout=300)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode in (130, -2) and last.startswith("interrupted (Ctrl-C) during start-up, before any step; "
+                                                          "no checkpoint was written"), r.stderr[-2000:]
+    assert not os.path.exists(tmp_path / lease.NAME)
+
+
 # -----------------------------------------------------------------------------
 # a full disk during a checkpoint write
 

@@ -17,6 +17,9 @@ MAE_FAULT=nan_in_padding                after setup, the padding at the end of e
                                         master) is set to NaN: what torch.empty may leave there. It is no weight.
 MAE_FAULT=slow_check:RANK:SECONDS      that rank sleeps SECONDS before train.py checks its config: one rank's start
                                         lagging the others' (a loaded node).
+MAE_FAULT=interrupt_in:plan|setup       a Ctrl-C (KeyboardInterrupt) during start-up: in the planner run for the lease
+                                        (before it is taken, inside infra/ops.py's Operations.__enter__), or in
+                                        train.setup (after it is taken).
 MAE_SAMPLES=DIR                         every training micro batch read appends its global sample ids to
                                         DIR/rank<R>.jsonl.
 MAE_PROBE=DIR                           every forward appends to DIR/rank<R>.jsonl what reached the model: the
@@ -113,6 +116,16 @@ if fault[0] == "die_in_conversion":
             os._exit(17)
         return real_fsync_tree(path)
     checkpoint.fsync_tree = fsync_tree
+
+if fault[0] == "interrupt_in":
+    from infra import plan
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    if fault[1] == "plan":
+        plan.plan = interrupted
+    else:
+        train.setup = interrupted
 
 samples = os.environ.get("MAE_SAMPLES")
 if samples:
